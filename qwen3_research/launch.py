@@ -1,0 +1,116 @@
+"""Start a run: one process in place, or a worker group through PyTorch's elastic launcher.
+
+The parent composes and validates the config once; workers receive the resolved config
+as a plain dict and the run directory, so every rank agrees on both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen3_research.config import ConfigError, RunConfig, to_run_config, validate
+from qwen3_research.trainer import RunInfo
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _limit_threads(local_world_size: int) -> None:
+    """N CPU workers on one host share its cores (torchrun sets OMP_NUM_THREADS=1 for the same reason)."""
+    import torch
+
+    if local_world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def worker(resolved: dict, info: dict) -> dict:
+    """One rank's whole life: build the Trainer, train, tear down. Importable for spawn."""
+    from qwen3_research.trainer import Trainer
+
+    _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    trainer = Trainer(to_run_config(resolved), RunInfo(**info), resolved)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def _recorded_worker(resolved: dict, info: dict) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(worker)(resolved, info)
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    os.replace(tmp, run_dir / "summary.json")
+
+
+def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    p = rc.parallelism
+    config = LaunchConfig(
+        min_nodes=p.nnodes,
+        max_nodes=p.nnodes,
+        nproc_per_node=p.nproc_per_node,
+        run_id=os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint=p.rdzv_endpoint,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, _recorded_worker)(resolved, asdict(info))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        if isinstance(failure.message, dict):
+            message = failure.message.get("message", message)
+        raise WorkerGroupError(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    return results.get(0) or next(iter(results.values()))
+
+
+class WorkerGroupError(RuntimeError):
+    pass
+
+
+def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
+    """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
+    from qwen3_research import models
+    from qwen3_research.parallel import validate_degrees
+
+    run_path = Path(run_dir)
+    run_path.mkdir(parents=True, exist_ok=True)
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        rc = validate(to_run_config(resolved))
+        validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
+                       wandb_name=wandb_name or rc.logging.wandb.name)
+        if under_torchrun() or rc.parallelism.nproc_per_node * rc.parallelism.nnodes == 1:
+            summary = worker(resolved, asdict(info))
+        else:
+            summary = _elastic(resolved, info, rc)
+    except BaseException as e:
+        reason = str(e) if isinstance(e, (ConfigError, WorkerGroupError)) else f"{type(e).__name__}: {e}"
+        if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+            _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__})
+        if not isinstance(e, (ConfigError, WorkerGroupError, KeyboardInterrupt)):
+            traceback.print_exc(file=sys.stderr)
+        raise
+    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        _write_summary(run_path, summary)
+    return summary

@@ -1,0 +1,35 @@
+"""The small interface every model backend provides to the Trainer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class ModelBackend:
+    """A built model plus what the Trainer needs to know about it.
+
+    Attributes: ``model`` (the nn.Module), ``num_params``, ``flops_per_token`` (forward +
+    backward, torchtitan's formula), ``n_heads``, ``n_kv_heads``, ``num_experts`` (0 = dense).
+    """
+
+    model: nn.Module
+    num_params: int
+    flops_per_token: int
+    n_heads: int
+    n_kv_heads: int
+    num_experts: int = 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L, V) logits
+        raise NotImplementedError
+
+    def parallelize(self, parallel_dims, tt) -> None:
+        raise NotImplementedError
+
+    def finalize_single(self, tt) -> None:
+        """Single-process path (no sharding): activation checkpointing if asked."""
+        if tt.activation_checkpoint is not None:
+            tt.activation_checkpoint.build(dump_folder=tt.dump_folder).apply(self.model)
+
+    def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
+        """Optional: hooks a backend needs on the optimizer (MoE load balancing)."""

@@ -1,0 +1,58 @@
+"""Model sizes by name. Pure data (no torch import) so configs validate fast.
+
+Our small sizes keep the real Qwen3 vocabulary (151,936 rows, as the released checkpoints)
+so the real tokenizer works unchanged; the named sizes are torchtitan's own configs.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+QWEN3_VOCAB = 151936
+
+
+@dataclass(frozen=True)
+class Flavor:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int  # dense FFN width, or per-expert width for MoE
+    vocab_size: int = QWEN3_VOCAB
+    num_experts: int = 0
+    top_k: int = 0
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    torchtitan_name: Optional[str] = None  # build from torchtitan's registry instead
+
+
+DENSE = {
+    "tiny": Flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384),
+    "debug": Flavor(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=768),
+    "0.6B": Flavor(1024, 28, 16, 8, 128, 3072, max_seq_len=40960, torchtitan_name="0.6B"),
+    "1.7B": Flavor(2048, 28, 16, 8, 128, 6144, max_seq_len=40960, torchtitan_name="1.7B"),
+    "4B": Flavor(2560, 36, 32, 8, 128, 9728, max_seq_len=40960, torchtitan_name="4B"),
+    "8B": Flavor(4096, 36, 32, 8, 128, 12288, max_seq_len=40960, tie_embeddings=False, torchtitan_name="8B"),
+    "14B": Flavor(5120, 40, 40, 8, 128, 17408, max_seq_len=40960, tie_embeddings=False, torchtitan_name="14B"),
+    "32B": Flavor(5120, 64, 64, 8, 128, 25600, max_seq_len=40960, tie_embeddings=False, torchtitan_name="32B"),
+}
+
+MOE = {
+    "tiny": Flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
+                   num_experts=8, top_k=2, tie_embeddings=False),
+    "debug": Flavor(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=128,
+                    num_experts=64, top_k=8, tie_embeddings=False),
+    "30B-A3B": Flavor(2048, 48, 32, 4, 128, 768, num_experts=128, top_k=8, max_seq_len=40960,
+                      tie_embeddings=False, torchtitan_name="30B-A3B"),
+    "235B-A22B": Flavor(4096, 94, 64, 4, 128, 1536, num_experts=128, top_k=8, rope_theta=5_000_000.0,
+                        max_seq_len=40960, tie_embeddings=False, torchtitan_name="235B-A22B"),
+}
+
+
+def flavors_for(backend: str) -> list[str]:
+    return list({"native": DENSE, "native_moe": MOE}.get(backend, {}))
+
+
+def get_flavor(backend: str, name: str) -> Flavor:
+    return {"native": DENSE, "native_moe": MOE}[backend][name]

@@ -1,0 +1,186 @@
+"""Where metrics go: console, metrics.jsonl, Weights & Biases. The Trainer sees only ``MetricSink``.
+
+Every sink gets the same flat record per logged step. A sink that fails (W&B above all)
+is reported once and switched off; training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+class MetricSink:
+    def start(self, config: dict, summary: dict) -> None: ...
+    def log(self, record: dict) -> None: ...
+    def finish(self, summary: dict) -> None: ...
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+class ConsoleSink(MetricSink):
+    """One line per logged step; a progress bar on top when stdout is a terminal."""
+
+    KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_peak_gib", "step_time_s")
+
+    def __init__(self, total_steps: int, progress_bar: bool, print_config: bool):
+        self.total = total_steps
+        self.print_config = print_config
+        self.bar = None
+        if progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def start(self, config: dict, summary: dict) -> None:
+        if self.print_config:
+            from omegaconf import OmegaConf
+
+            self._write("config:\n" + OmegaConf.to_yaml(config).rstrip())
+        self._write(" ".join(f"{k}={v}" for k, v in summary.items()))
+
+    def log(self, record: dict) -> None:
+        if "loss" in record:
+            parts = [f"step {record['step']:>5}/{self.total}"] + [
+                f"{k}={_fmt(record[k])}" for k in self.KEYS if k in record
+            ]
+            if "eval_loss" in record:
+                parts.append(f"eval_loss={_fmt(record['eval_loss'])}")
+            self._write(" ".join(parts))
+            if self.bar is not None:
+                self.bar.n = record["step"]
+                self.bar.refresh()
+        elif "eval_loss" in record:
+            self._write(f"step {record['step']:>5}/{self.total} eval_loss={_fmt(record['eval_loss'])}")
+
+    def finish(self, summary: dict) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._write("done: " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+
+
+class JsonlSink(MetricSink):
+    """``metrics.jsonl``: one JSON object per logged step, flushed line by line."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = path
+        self.fh = open(path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.fh.write(json.dumps(clean) + "\n")
+        self.fh.flush()
+
+    def finish(self, summary: dict) -> None:
+        self.fh.close()
+
+
+def _wandb_flat(record: dict) -> dict:
+    out = {"train/step": record["step"]}
+    for k, v in record.items():
+        if k == "step":
+            continue
+        if k == "mem_per_rank":
+            for row in v:
+                for mk in ("current_gib", "peak_gib", "peak_pct"):
+                    out[f"memory/rank{row['rank']}/{mk}"] = row[mk]
+        elif k.startswith("eval_"):
+            out[f"eval/{k[5:]}"] = v
+        elif isinstance(v, (int, float)):
+            out[f"train/{k}"] = v
+    return out
+
+
+class WandbSink(MetricSink):
+    """A W&B run (offline by default). Any W&B error turns this sink off with one warning."""
+
+    def __init__(self, cfg, run_dir: Path, group: str | None, name: str, job_type: str = "train"):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.group = group
+        self.name = name
+        self.job_type = job_type
+        self.run = None
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        warnings.warn(f"W&B {what} failed ({type(e).__name__}: {e}); training continues without W&B", stacklevel=2)
+        self.run = None
+
+    def start(self, config: dict, summary: dict) -> None:
+        mode = os.environ.get("WANDB_MODE") or self.cfg.mode
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or self.cfg.project,
+                entity=os.environ.get("WANDB_ENTITY") or self.cfg.entity,
+                group=self.group,
+                job_type=self.job_type,
+                name=self.name,
+                tags=list(self.cfg.tags),
+                dir=str(self.run_dir),
+                config=config,
+                mode=mode,
+                reinit="finish_previous",
+                settings=wandb.Settings(quiet=True),
+            )
+            self.run.define_metric("train/step")
+            self.run.define_metric("train/*", step_metric="train/step")
+            self.run.define_metric("eval/*", step_metric="train/step")
+            self.run.define_metric("memory/*", step_metric="train/step")
+            self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
+        except Exception as e:  # noqa: BLE001 - W&B must never stop training
+            self._fail("init", e)
+
+    def log(self, record: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log(_wandb_flat(record))
+        except Exception as e:  # noqa: BLE001
+            self._fail("log", e)
+
+    def finish(self, summary: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.summary.update(summary)
+            self.run.finish()
+        except Exception as e:  # noqa: BLE001
+            self._fail("finish", e)
+
+
+class Sinks(MetricSink):
+    def __init__(self, sinks: list[MetricSink]):
+        self.sinks = sinks
+
+    def start(self, config: dict, summary: dict) -> None:
+        for s in self.sinks:
+            s.start(config, summary)
+
+    def log(self, record: dict) -> None:
+        for s in self.sinks:
+            s.log(record)
+
+    def finish(self, summary: dict) -> None:
+        for s in self.sinks:
+            s.finish(summary)

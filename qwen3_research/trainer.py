@@ -1,0 +1,308 @@
+"""The training recipe: build everything from one RunConfig, then loop.
+
+Runs in every rank. Only rank 0 writes console lines, metrics.jsonl and the W&B run;
+memory is gathered from every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qwen3_research import device as devices
+from qwen3_research.config import RunConfig
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss under nan_policy=stop, …); the message says why."""
+
+
+@dataclass
+class RunInfo:
+    """What the launcher knows about this run beyond its config."""
+
+    run_dir: str
+    wandb_group: str | None = None
+    wandb_name: str | None = None
+    job_overrides: list = field(default_factory=list)
+
+
+def dist_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, info: RunInfo, resolved_config: dict):
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(info.run_dir)
+        self.rank, local_rank, self.world_size = dist_env()
+        self.is_main = self.rank == 0
+        t_start = time.perf_counter()
+
+        # Device first: torchtitan must see it before its first import.
+        device_type = devices.resolve_device_type(cfg.device.type)
+        devices.prepare_torchtitan(device_type)
+        self.device = devices.Device(device_type, local_rank, cfg.device.lnc)
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(backend=self.device.dist_backend)
+
+        from qwen3_research import models, parallel
+        from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
+
+        # Degrees (validated in the parent already; again here for torchrun starts).
+        facts = models.describe(cfg.model)
+        self.degrees = parallel.validate_degrees(
+            cfg.parallelism, seq_len=cfg.data.seq_len, world_size=self.world_size, **facts
+        )
+        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type)
+        self.dp_rank, self.dp_size = self._dp_coordinates()
+
+        # Data.
+        self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
+        self.data = PackedDataset(cfg.data, self.tokenizer)
+
+        # Model: build (seeded), kernel overrides, shard, compile.
+        tt = parallel.torchtitan_training_configs(
+            self.degrees,
+            activation_checkpoint=cfg.parallelism.activation_checkpoint,
+            compile_cfg=cfg.compile,
+            mixed_precision=cfg.training.mixed_precision,
+            run_dir=str(self.run_dir),
+        )
+        self.backend = models.build(
+            cfg.model, self.device.torch_device, seq_len=cfg.data.seq_len, seed=cfg.training.seed,
+            tt_parallelism=tt.parallelism, tokenizer=self.tokenizer,
+        )
+        self.kernel_plan = self._apply_kernels()
+        if self.degrees.sharded:
+            self.backend.parallelize(self.parallel_dims, tt)
+            devices.after_sharding(self.device, self.backend.model)
+        else:
+            self.backend.finalize_single(tt)
+        self.forward = self.backend.forward
+        if cfg.compile.enable:
+            backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
+            self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
+
+        from qwen3_research.optim import build_optimizer
+
+        self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
+        self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
+        self.step = 0
+        self.checkpointer = self._build_checkpointer()
+        self.sinks = self._build_sinks(resolved_config)
+        self.build_s = time.perf_counter() - t_start
+
+    # -- construction helpers ----------------------------------------------------------------
+    def _dp_coordinates(self) -> tuple[int, int]:
+        if not self.degrees.sharded or self.degrees.dp == 1:
+            return 0, 1
+        mesh = self.parallel_dims.get_mesh("batch")
+        return mesh.get_local_rank(), mesh.size()
+
+    def _apply_kernels(self):
+        if not self.cfg.kernels.entries:
+            return {}
+        from qwen3_research.kernels import apply_overrides
+
+        return apply_overrides(self.backend.model, self.cfg, self.device)
+
+    def _build_checkpointer(self):
+        if not (self.cfg.checkpoint.enable or self.cfg.checkpoint.resume or self.cfg.checkpoint.export_hf):
+            return None
+        from qwen3_research.checkpoint import Checkpointer
+
+        return Checkpointer(self)
+
+    def _build_sinks(self, resolved_config: dict):
+        from qwen3_research.sinks import ConsoleSink, JsonlSink, Sinks, WandbSink
+
+        if not self.is_main:
+            return Sinks([])
+        lc = self.cfg.logging
+        resuming = bool(self.cfg.checkpoint.resume)
+        sinks = [
+            ConsoleSink(self.cfg.training.steps, lc.progress_bar, lc.print_config),
+            JsonlSink(self.run_dir / "metrics.jsonl", append=resuming),
+            WandbSink(lc.wandb, self.run_dir, self.info.wandb_group, self.info.wandb_name or self.run_dir.name),
+        ]
+        self._resolved_config = resolved_config
+        return Sinks(sinks)
+
+    # -- the loop --------------------------------------------------------------------------
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.device.autocast(self.cfg.training.mixed_precision):
+            logits = self.forward(inputs)
+        if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
+            logits = logits.full_tensor()
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def _all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            group = self.parallel_dims.get_mesh("batch").get_group()
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM, group=group)
+            value = value / self.dp_size
+        return value
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        t = self.cfg.training
+        model = self.backend.model
+        loss_sum = torch.zeros((), device=self.device.torch_device)
+        for micro in range(t.grad_accum):
+            batch = self.data.train_batch(step, micro, t.grad_accum, self.dp_rank, self.dp_size, t.seed)
+            inputs = batch.inputs.to(self.device.torch_device)
+            labels = batch.labels.to(self.device.torch_device)
+            loss = self._loss(inputs, labels) / t.grad_accum
+            loss = _inject_fault(t.fault, step + 1, self.rank, loss)
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = self._clip_grad_norm(model)
+        loss_value = float(self._all_reduce_mean(loss_sum))
+        grad_value = float(grad_norm)
+        if not (torch.isfinite(torch.tensor([loss_value, grad_value])).all()):
+            self.optimizer.zero_grad(set_to_none=True)
+            if t.nan_policy == "stop":
+                raise TrainingError(
+                    f"step {step + 1}: non-finite loss={loss_value} or grad_norm={grad_value}; stopped "
+                    "(training.nan_policy=stop). Lower optimizer.lr or set training.nan_policy=skip"
+                )
+            return loss_value, grad_value  # skip: no update this step
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_value, grad_value
+
+    def _clip_grad_norm(self, model) -> torch.Tensor:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.training
+        batches = self.data.val_batches(t.eval_batches, self.dp_rank, self.dp_size)
+        if not batches:
+            return float("nan")
+        model = self.backend.model
+        model.eval()
+        total = torch.zeros((), device=self.device.torch_device)
+        for b in batches:
+            total += self._loss(b.inputs.to(self.device.torch_device), b.labels.to(self.device.torch_device))
+        model.train()
+        return float(self._all_reduce_mean(total / len(batches)))
+
+    def _memory_rows(self) -> list[dict]:
+        m = self.device.memory()
+        row = {"rank": self.rank, "current_gib": round(m.current_gib, 4), "peak_gib": round(m.peak_gib, 4),
+               "peak_pct": round(m.peak_pct, 3), "capacity_gib": round(m.capacity_gib, 2)}
+        if self.world_size == 1:
+            return [row]
+        rows = [None] * self.world_size
+        torch.distributed.all_gather_object(rows, row)
+        return rows
+
+    def summary(self) -> dict:
+        d = self.degrees
+        return {
+            "model": f"{self.cfg.model.backend}/{self.cfg.model.flavor}",
+            "params": self.backend.num_params,
+            "device": self.device.type,
+            "layout": d.describe(),
+            "tokens": self.data.num_tokens,
+            "train_samples": len(self.data.train),
+            "val_samples": len(self.data.val),
+            "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
+        }
+
+    def train(self) -> dict:
+        from qwen3_research.metrics import StepTimer, mfu, tokens_per_second
+
+        cfg, t = self.cfg, self.cfg.training
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_resume()
+        if self.is_main:
+            self.sinks.start(self._resolved_config, {**self.summary(), "plan": self.kernel_plan or "none"})
+        tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
+        peak = self.device.peak_flops(torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
+        timer = StepTimer()
+        last: dict = {}
+        eval_loss = None
+        self.backend.model.train()
+        try:
+            while self.step < t.steps:
+                self.device.synchronize()
+                t0 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step(self.step)
+                self.device.synchronize()
+                dt = time.perf_counter() - t0
+                timer.add(dt)
+                self.step += 1
+                record = None
+                if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
+                    tps = tokens_per_second(tokens_per_step, dt)
+                    rows = self._memory_rows()
+                    mine = rows[0]
+                    record = {
+                        "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                        "tokens_per_s": tps, "mfu": mfu(self.backend.flops_per_token, tps, peak, self.world_size),
+                        "step_time_s": dt, "tokens": self.step * tokens_per_step,
+                        "mem_current_gib": mine["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
+                        "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
+                    }
+                    if self.step == 1:
+                        record["first_step"] = True
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    eval_loss = self.evaluate()
+                    record = record or {"step": self.step}
+                    record["eval_loss"] = eval_loss
+                if record is not None and self.is_main:
+                    self.sinks.log(record)
+                    last = record
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(self.step)
+        except BaseException:
+            if self.is_main:
+                self.sinks.finish({"status": "failed", "step": self.step})
+            raise
+        if self.checkpointer is not None:
+            self.checkpointer.finish()
+        summary = {
+            "status": "ok", "steps": self.step, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
+            "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
+        }
+        if self.is_main:
+            self.sinks.finish(summary)
+        return summary
+
+    def close(self) -> None:
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N', optionally ':rankR'."""
+    if not spec:
+        return loss
+    what, _, rest = spec.partition("@")
+    at, _, who = rest.partition(":")
+    if int(at) != step or (who and who != f"rank{rank}"):
+        return loss
+    if what == "raise":
+        raise RuntimeError(f"injected failure at step {step} on rank {rank} (training.fault={spec})")
+    if what == "nan":
+        return loss * float("nan")
+    if what == "kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return loss

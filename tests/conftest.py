@@ -1,0 +1,70 @@
+"""Shared helpers: run the real CLI in a subprocess, read metrics.jsonl and offline W&B runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Small and quick: 32-token sequences, 2 per rank, 3 steps, no eval.
+FAST = [
+    "training.steps=3",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "training.eval_every=0",
+    "logging.print_config=false",
+    "logging.wandb.mode=disabled",
+]
+
+
+def cli_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "HYDRA_"))}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], *, run_dir: Path | None = None, timeout: float = 300, module: str = "qwen3_research",
+            env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", module, *args]
+    if run_dir is not None:
+        cmd.append(f"hydra.run.dir={run_dir}")
+    return subprocess.run(cmd, cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """All records of the offline W&B run under run_dir, through W&B's own reader."""
+    files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, f"expected one offline W&B run under {run_dir}, found {files}"
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(files[0])],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:  # older entry point: the wandb script next to python
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(files[0])],
+                             capture_output=True, text=True, timeout=120, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT

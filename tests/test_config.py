@@ -1,0 +1,117 @@
+"""Composition of every config-group combination, and one-line errors for bad configurations."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from qwen3_research.__main__ import CONF_DIR
+from qwen3_research.config import ConfigError, RunConfig, register_configs, validate
+from tests.conftest import run_cli
+
+register_configs()
+
+GROUPS = ["model", "parallelism", "kernels", "optimizer", "data", "device"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+# What each option needs to be a complete run config (paths are only checked for data.files).
+EXTRAS = {
+    ("model", "hf"): ["model.path=/models/Qwen3-0.6B"],
+    ("data", "files"): [f"data.files={Path(__file__).resolve()}"],
+    ("data", "hf"): ["data.hf.name=wikitext"],
+}
+
+
+def test_every_combination_composes_and_validates():
+    combos = list(itertools.product(*(options(g) for g in GROUPS)))
+    assert len(combos) >= 3 * 1 * 1 * 1 * 3 * 4, f"too few options: {[options(g) for g in GROUPS]}"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for combo in combos:
+            overrides = [f"{g}={o}" for g, o in zip(GROUPS, combo)]
+            for g, o in zip(GROUPS, combo):
+                overrides += EXTRAS.get((g, o), [])
+            cfg = compose(config_name="config", overrides=overrides)
+            rc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+            assert isinstance(rc, RunConfig)
+            assert rc.model.backend == {"native": "native", "native_moe": "native_moe", "hf": "hf"}[combo[0]]
+            if rc.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:
+                with pytest.raises(ConfigError, match="device.type=neuron needs TorchNeuron"):
+                    validate(rc)
+            else:
+                validate(rc)  # every shipped combination is valid as composed
+    print(f"composed and validated {len(combos)} combinations")
+
+
+def test_group_options_extend_their_schema(tmp_path):
+    """A misspelled key inside a YAML option fails at compose time, naming the key."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "model" / "typo.yaml").write_text("defaults:\n  - /schema/model@_here_\n  - _self_\nflavr: tiny\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception) as e:
+            compose(config_name="config", overrides=["model=typo"])
+    from qwen3_research.__main__ import format_compose_error
+
+    line = format_compose_error(e.value)
+    assert "flavr" in line and "\n" not in line, line
+
+
+# (overrides, text the one-line message must contain)
+BAD = [
+    (["model.flavr=tiny"], "model.flavr"),
+    (["+training.stepz=3"], "training.stepz"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["training.steps=1.5"], "training.steps"),
+    (["model=transformer"], "model"),
+    (["optimizer.lr=0"], "optimizer.lr must be > 0"),
+    (["optimizer.lr=-1e-3"], "optimizer.lr must be > 0"),
+    (["data.seq_len=0"], "data.seq_len must be >= 1"),
+    (["data.batch_size=0"], "data.batch_size must be >= 1"),
+    (["model.flavor=7B"], "model.flavor='7B'"),
+    (["device=neuron"], "device.type=neuron needs TorchNeuron"),
+    (["data=files", "data.files=/nonexistent/dir/*.txt"], "data.files='/nonexistent/dir/*.txt' matches no file"),
+    (["data=files"], "data.files is required"),
+    (["model=hf"], "model.path is required"),
+    (["optimizer.decay=exp"], "optimizer.decay='exp' is not one of"),
+    (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
+    (["training.mixed_precision=fp8"], "training.mixed_precision"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_exits_with_one_line(overrides, expected, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(overrides, run_dir=run_dir, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert len(lines) == 1, f"expected one line, got:\n{proc.stderr}"
+    assert expected in lines[0], lines[0]
+    assert lines[0].startswith("config error: ")
+    assert not run_dir.exists(), "a bad config must not create a run directory"
+
+
+def test_validate_names_key_in_process():
+    rc = RunConfig()
+    rc.training.log_every = 0
+    with pytest.raises(ConfigError, match="training.log_every must be > 0"):
+        validate(rc)
+
+
+def test_help_lists_groups():
+    proc = run_cli(["--help"], timeout=120)
+    assert proc.returncode == 0
+    for group in GROUPS:
+        assert f"{group}:" in proc.stdout or f"{group}/" in proc.stdout, group
+    assert "native_moe" in proc.stdout and "embedded" in proc.stdout
