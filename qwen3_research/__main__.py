@@ -91,15 +91,25 @@ def _die(message: str) -> None:
     sys.exit(EXIT_CONFIG)
 
 
-def _wandb_identity() -> tuple[str | None, str | None]:
-    """Multirun: one group per sweep (its directory, fixed once) and a run name from the overrides."""
+def _wandb_identity() -> tuple[str | None, str | None, dict]:
+    """Multirun: one group per sweep (its directory, fixed once), a run name and the swept keys
+    from the point's overrides."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research.sweep import parse_overrides, swept_keys_of_this_sweep
+
     hc = HydraConfig.get()
     if hc.mode.name != "MULTIRUN":
-        return None, None
+        return None, None, {}
     sweep_dir = Path(hc.sweep.dir)
-    group = f"{sweep_dir.parent.name}_{sweep_dir.name}"
-    name = hc.job.override_dirname or f"job{hc.job.num}"
-    return group, name
+    group = f"sweep_{sweep_dir.parent.name}_{sweep_dir.name}"
+    overrides = parse_overrides(list(hc.overrides.task))
+    params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
+    keys = swept_keys_of_this_sweep(params, sys.argv[1:])
+    # In-process launchers see the sweep's command line; elsewhere every override counts.
+    swept = {k: v for k, v in overrides.items() if k in keys} or overrides
+    name = ",".join(f"{k}={v}" for k, v in swept.items()) or f"job{hc.job.num}"
+    return group, name, swept
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -107,19 +117,27 @@ def _task(cfg: DictConfig):
     from qwen3_research.launch import WorkerGroupError, run
 
     hc = HydraConfig.get()
-    group, name = _wandb_identity()
+    group, name, swept = _wandb_identity()
     multirun = hc.mode.name == "MULTIRUN"
     try:
-        return run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name)
-    except ConfigError as e:
+        summary = run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name, swept=swept)
+        if multirun and "optuna" in str(hc.sweeper.get("_target_", "")):
+            # Optuna minimises what the task returns: the held-out loss when there is one.
+            return summary.get("final_eval_loss") or summary["final_loss"]
+        return summary
+    except Exception as e:  # noqa: BLE001
         if multirun:
-            raise  # the sweep records this point as failed and goes on
-        _die(f"config error: {e}")
-    except WorkerGroupError as e:
-        if multirun:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAILED)
+            # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
+            # launch.run already wrote its summary.json (status failed + reason) for the report.
+            print(f"sweep point {hc.job.num} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  file=sys.stderr, flush=True)
+            return {"status": "failed", "reason": str(e)}
+        if isinstance(e, ConfigError):
+            _die(f"config error: {e}")
+        if isinstance(e, WorkerGroupError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_FAILED)
+        raise
 
 
 def main() -> None:

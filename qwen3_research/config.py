@@ -53,6 +53,7 @@ class KernelEntry:
 
 @dataclass
 class KernelsConfig:
+    option: Optional[str] = None  # the conf/kernels option's name, for messages (kernels=<option>)
     entries: List[KernelEntry] = field(default_factory=list)
     verify: bool = False  # compare every active kernel with its float32 reference at start-up
 
@@ -86,6 +87,7 @@ class DataConfig:
     tokenizer: str = "qwen3"  # "qwen3" (the packaged official tokenizer) or a path / HF dir
     seq_len: int = 128
     batch_size: int = 4  # sequences per data-parallel rank per micro-batch
+    global_batch_tokens: Optional[int] = None  # if set: batch_size = this / (seq_len × dp × grad_accum)
     val_fraction: float = 0.05
     max_documents: Optional[int] = None  # cap for quick experiments
     files: Optional[str] = None  # source=files: glob of .txt / .jsonl files
@@ -191,6 +193,20 @@ def to_run_config(cfg: dict | DictConfig) -> RunConfig:
         key = getattr(e, "full_key", None) or "?"
         msg = str(getattr(e, "msg", None) or e).splitlines()[0]
         raise ConfigError(f"{key}: {msg}") from None
+
+
+def resolve_batch_size(cfg: RunConfig, dp: int) -> int:
+    """Per-rank batch size; with data.global_batch_tokens every layout sees the same tokens per step."""
+    d = cfg.data
+    if d.global_batch_tokens is None:
+        return d.batch_size
+    per = d.seq_len * dp * cfg.training.grad_accum
+    if d.global_batch_tokens % per or d.global_batch_tokens < per:
+        raise ConfigError(
+            f"data.global_batch_tokens={d.global_batch_tokens} must be a multiple of data.seq_len×dp×grad_accum="
+            f"{d.seq_len}×{dp}×{cfg.training.grad_accum}={per}"
+        )
+    return d.global_batch_tokens // per
 
 
 def _choice(path: str, value: Any, allowed) -> None:

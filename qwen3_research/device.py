@@ -88,6 +88,10 @@ class Device:
             self.torch_device = torch.device("cpu")
         self.lnc = lnc or int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
         self._peak: dict[str, float] = {}
+        # CPU peak memory comes from ru_maxrss, a whole-process figure; remember where it stood so
+        # a second run in the same process (a multirun point) does not inherit the first's peak.
+        self._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._sampled_peak = 0
 
     # -- distributed ------------------------------------------------------------------
     @property
@@ -135,7 +139,11 @@ class Device:
         import psutil
 
         rss = psutil.Process().memory_info().rss
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        self._sampled_peak = max(self._sampled_peak, rss)
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        # A new process-wide peak was set during this run: it is this run's. Otherwise this run
+        # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
+        peak = maxrss if maxrss > self._maxrss_at_start else self._sampled_peak
         return MemoryStats(rss / gib, max(peak, rss) / gib, psutil.virtual_memory().total / gib)
 
     # -- peak FLOP/s for MFU -----------------------------------------------------------

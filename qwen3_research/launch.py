@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 import uuid
 from dataclasses import asdict
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import ConfigError, RunConfig, to_run_config, validate
+from qwen3_research.config import ConfigError, RunConfig, resolve_batch_size, to_run_config, validate
 from qwen3_research.trainer import RunInfo
 
 
@@ -87,19 +88,26 @@ class WorkerGroupError(RuntimeError):
     pass
 
 
-def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
+def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
+        swept: dict | None = None) -> dict:
     """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
     from qwen3_research import models
     from qwen3_research.parallel import validate_degrees
 
+    t0 = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         rc = validate(to_run_config(resolved))
-        validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        resolve_batch_size(rc, degrees.dp)
+        if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
+            from qwen3_research.checkpoint import preflight
+
+            preflight(rc, run_path)
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
-                       wandb_name=wandb_name or rc.logging.wandb.name)
+                       wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {})
         if under_torchrun() or rc.parallelism.nproc_per_node * rc.parallelism.nnodes == 1:
             summary = worker(resolved, asdict(info))
         else:
@@ -107,10 +115,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     except BaseException as e:
         reason = str(e) if isinstance(e, (ConfigError, WorkerGroupError)) else f"{type(e).__name__}: {e}"
         if not under_torchrun() or os.environ.get("RANK", "0") == "0":
-            _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__})
+            _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__,
+                                      "wall_s": time.perf_counter() - t0})
         if not isinstance(e, (ConfigError, WorkerGroupError, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)
         raise
+    summary = {**summary, "wall_s": time.perf_counter() - t0}
     if not under_torchrun() or os.environ.get("RANK", "0") == "0":
         _write_summary(run_path, summary)
     return summary

@@ -111,12 +111,14 @@ def _wandb_flat(record: dict) -> dict:
 class WandbSink(MetricSink):
     """A W&B run (offline by default). Any W&B error turns this sink off with one warning."""
 
-    def __init__(self, cfg, run_dir: Path, group: str | None, name: str, job_type: str = "train"):
+    def __init__(self, cfg, run_dir: Path, group: str | None, name: str, job_type: str = "train",
+                 swept: dict | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.group = group
         self.name = name
         self.job_type = job_type
+        self.swept = swept or {}
         self.run = None
 
     def _fail(self, what: str, e: BaseException) -> None:
@@ -138,7 +140,7 @@ class WandbSink(MetricSink):
                 name=self.name,
                 tags=list(self.cfg.tags),
                 dir=str(self.run_dir),
-                config=config,
+                config=self._with_swept(config),
                 mode=mode,
                 reinit="finish_previous",
                 settings=wandb.Settings(quiet=True),
@@ -150,6 +152,13 @@ class WandbSink(MetricSink):
             self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
         except Exception as e:  # noqa: BLE001 - W&B must never stop training
             self._fail("init", e)
+
+    def _with_swept(self, config: dict) -> dict:
+        if not self.swept:
+            return config
+        from qwen3_research.sweep import swept_config_fields
+
+        return {**config, **swept_config_fields(self.swept), "swept_keys": sorted(self.swept)}
 
     def log(self, record: dict) -> None:
         if self.run is None:
