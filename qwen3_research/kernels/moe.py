@@ -1,0 +1,265 @@
+"""MoE expert kernel (``moe_fast``): SwiGLU experts over expert-sorted rows, in the input dtype.
+
+Replaces the computation of torchtitan's ``GroupedExperts`` (which always casts to bf16 and
+calls ``torch._grouped_mm``). Rows arrive sorted by expert with per-expert counts. The kernel
+scatters them into an ``(E, C, D)`` padded block (C = the largest count) and runs ``torch.bmm``
+— faster on CPU than ``_grouped_mm`` for balanced routing — or, when padding would waste more
+than ``pad_limit`` × the rows, one ``mm`` per expert.
+
+Custom ops (``torch.library.custom_op``), opaque to torch.compile, with fake impls and autograd:
+
+* ``qwen3_research::moe_experts_fwd(x, w1, w2, w3, counts, pad_limit) -> (y, a, b)``
+  (``a = x w1ᵀ``, ``b = x w3ᵀ`` are saved for backward)
+* ``qwen3_research::moe_experts_bwd(gy, x, w1, w2, w3, counts, a, b, pad_limit) -> (dx, dw1, dw2, dw3)``
+
+``moe_reference`` is the float32 reference (a per-expert loop, autograd through ATen ops).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+
+NS = "qwen3_research"
+
+
+# ---------------------------------------------------------------------------- reference
+def moe_reference(x, w1, w2, w3, counts):
+    """float32 SwiGLU experts, one expert at a time: y_e = (silu(x_e w1_eᵀ) * x_e w3_eᵀ) w2_eᵀ."""
+    x, w1, w2, w3 = (t.float() for t in (x, w1, w2, w3))
+    outs, s = [], 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[s : s + c]
+        outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        s += c
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+# ---------------------------------------------------------------------------- layouts
+class _Groups:
+    """Rows sorted by expert -> padded (E, C, ·) blocks, or per-expert slices."""
+
+    def __init__(self, counts: torch.Tensor, rows: int, pad_limit: float, device):
+        self.counts = [int(c) for c in counts.tolist()]
+        self.E = len(self.counts)
+        self.C = max(self.counts) if self.counts else 0
+        self.R = rows
+        self.padded = self.C > 0 and self.E * self.C <= pad_limit * max(rows, 1)
+        starts, s = [], 0
+        for c in self.counts:
+            starts.append(s)
+            s += c
+        self.starts = starts
+        if self.padded:
+            cnt = torch.tensor(self.counts, device=device)
+            e_r = torch.repeat_interleave(torch.arange(self.E, device=device), cnt, output_size=rows)
+            start = torch.tensor(starts, device=device)
+            self.idx = e_r * self.C + (torch.arange(rows, device=device) - start[e_r])
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(self.E * self.C, t.shape[-1])
+        out.index_copy_(0, self.idx, t)
+        return out.view(self.E, self.C, t.shape[-1])
+
+    def unpad(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.E * self.C, t.shape[-1]).index_select(0, self.idx)
+
+    def slices(self):
+        for e, (s, c) in enumerate(zip(self.starts, self.counts)):
+            if c:
+                yield e, slice(s, s + c)
+
+
+def _silu_parts(a):
+    sa = torch.sigmoid(a)
+    sil = a * sa
+    return sa, sil
+
+
+# ---------------------------------------------------------------------------- kernels
+def _fwd_impl(x, w1, w2, w3, counts, pad_limit):
+    R, D = x.shape
+    Fh = w1.shape[1]
+    g = _Groups(counts, R, pad_limit, x.device)
+    if g.padded:
+        xp = g.pad(x)
+        ap = torch.bmm(xp, w1.transpose(1, 2))
+        bp = torch.bmm(xp, w3.transpose(1, 2))
+        yp = torch.bmm(F.silu(ap) * bp, w2.transpose(1, 2))
+        return g.unpad(yp), g.unpad(ap), g.unpad(bp)
+    y = x.new_zeros(R, w2.shape[1])
+    a = x.new_zeros(R, Fh)
+    b = x.new_zeros(R, Fh)
+    for e, sl in g.slices():
+        torch.mm(x[sl], w1[e].T, out=a[sl])
+        torch.mm(x[sl], w3[e].T, out=b[sl])
+        torch.mm(F.silu(a[sl]) * b[sl], w2[e].T, out=y[sl])
+    return y, a, b
+
+
+def _bwd_impl(gy, x, w1, w2, w3, counts, a, b, pad_limit):
+    R = x.shape[0]
+    g = _Groups(counts, R, pad_limit, x.device)
+    dw1, dw2, dw3 = torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(w3)
+    if g.padded:
+        gp, xp, ap, bp = g.pad(gy), g.pad(x), g.pad(a), g.pad(b)
+        sa, sil = _silu_parts(ap)
+        torch.bmm(gp.transpose(1, 2), sil * bp, out=dw2)
+        dh = torch.bmm(gp, w2)
+        db = dh * sil
+        da = dh * bp * sa * (1 + ap * (1 - sa))
+        dxp = torch.bmm(da, w1)
+        dxp.baddbmm_(db, w3)
+        torch.bmm(da.transpose(1, 2), xp, out=dw1)
+        torch.bmm(db.transpose(1, 2), xp, out=dw3)
+        return g.unpad(dxp), dw1, dw2, dw3
+    dx = torch.zeros_like(x)
+    for e, sl in g.slices():
+        ae, be, ge, xe = a[sl], b[sl], gy[sl], x[sl]
+        sa, sil = _silu_parts(ae)
+        torch.mm(ge.T, sil * be, out=dw2[e])
+        dh = ge @ w2[e]
+        db = dh * sil
+        da = dh * be * sa * (1 + ae * (1 - sa))
+        torch.mm(da, w1[e], out=dx[sl])
+        dx[sl].addmm_(db, w3[e])
+        torch.mm(da.T, xe, out=dw1[e])
+        torch.mm(db.T, xe, out=dw3[e])
+    return dx, dw1, dw2, dw3
+
+
+@torch.library.custom_op(f"{NS}::moe_experts_fwd", mutates_args=())
+def moe_experts_fwd(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor, pad_limit: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_impl(x, w1, w2, w3, counts, pad_limit)
+
+
+@moe_experts_fwd.register_fake
+def _(x, w1, w2, w3, counts, pad_limit):
+    R, Fh = x.shape[0], w1.shape[1]
+    return x.new_empty(R, w2.shape[1]), x.new_empty(R, Fh), x.new_empty(R, Fh)
+
+
+@torch.library.custom_op(f"{NS}::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(
+    gy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    counts: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pad_limit: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(gy.contiguous(), x, w1, w2, w3, counts, a, b, pad_limit)
+
+
+@moe_experts_bwd.register_fake
+def _(gy, x, w1, w2, w3, counts, a, b, pad_limit):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)
+
+
+def _setup(ctx, inputs, output):
+    x, w1, w2, w3, counts, pad_limit = inputs
+    _, a, b = output
+    ctx.save_for_backward(x, w1, w2, w3, counts, a, b)
+    ctx.pad_limit = pad_limit
+    ctx.mark_non_differentiable(a, b)
+
+
+def _backward(ctx, gy, ga, gb):
+    x, w1, w2, w3, counts, a, b = ctx.saved_tensors
+    dx, dw1, dw2, dw3 = moe_experts_bwd(gy, x, w1, w2, w3, counts, a, b, ctx.pad_limit)
+    return dx, dw1, dw2, dw3, None, None
+
+
+moe_experts_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def moe_fast(x, w1, w2, w3, counts, pad_limit: float = 2.0):
+    """Differentiable expert MLP: y (R, D) from expert-sorted rows x (R, D)."""
+    return moe_experts_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(), w3.contiguous(), counts, pad_limit)[0]
+
+
+# ---------------------------------------------------------------------------- module override
+_DTYPES = {"input": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+_CLASS_CACHE: dict = {}
+
+
+def make_experts_forward(op, default_options: dict):
+    """A GroupedExperts.forward computing with ``op(x, w1, w2, w3, counts, **options)``."""
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w1, w2, w3 = self.w1_EFD, self.w2_EDF, self.w3_EFD
+        if isinstance(w1, DTensor):  # same as torchtitan: local shards inside the local_map region
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        counts = num_tokens_per_expert_E
+        try:
+            import spmd_types as spmd
+            from torchtitan.distributed.spmd_types import spmd_mesh_size
+            from torchtitan.distributed.utils import get_spmd_backend
+
+            if get_spmd_backend() == "spmd_types" and spmd.is_type_checking() and spmd_mesh_size("ep") == 1:
+                for axis in ("dp", "cp"):
+                    spmd.mutate_type(counts, axis, src=spmd.P, dst=spmd.V)
+        except ImportError:
+            pass
+        opts = {**default_options, **self._kernel_options}
+        dt = _DTYPES[opts.pop("dtype", "input")] or x_RD.dtype
+        y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
+        return y.type_as(x_RD)
+
+    return forward
+
+
+def install_experts(kernel: str, op, default_options: dict):
+    def install(module, options: dict) -> None:
+        unknown = set(options) - set(default_options) - {"dtype"}
+        if unknown:
+            from qwen3_research.config import ConfigError
+
+            raise ConfigError(f"kernel {kernel}: unknown options {sorted(unknown)}; known: {sorted(default_options) + ['dtype']}")
+        if options.get("dtype", "input") not in _DTYPES:
+            from qwen3_research.config import ConfigError
+
+            raise ConfigError(f"kernel {kernel}: options.dtype must be one of {list(_DTYPES)}, got {options['dtype']!r}")
+        base = type(module)
+        key = (kernel, base)
+        if key not in _CLASS_CACHE:
+            _CLASS_CACHE[key] = type(
+                f"{base.__name__}_{kernel}", (base,),
+                {"forward": make_experts_forward(op, default_options), "kernel_name": kernel},
+            )
+        module.__class__ = _CLASS_CACHE[key]
+        module._kernel_options = dict(options)
+
+    return install
+
+
+def _verify(module, shapes, device, options):
+    from qwen3_research.kernels.verify import verify_moe
+
+    return verify_moe(module, shapes, device, options, op=moe_fast, default_options={"pad_limit": 2.0})
+
+
+register(KernelSpec(
+    name="moe_fast",
+    description="SwiGLU experts by padded torch.bmm (or per-expert mm), in the input dtype (fp32 capable)",
+    module_types=("GroupedExperts",),
+    install=install_experts("moe_fast", moe_fast, {"pad_limit": 2.0}),
+    requirements=Requirements(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")),
+    verify=_verify,
+))
+
+
+def _moe_reference_op(x, w1, w2, w3, counts):
+    return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
+
+
+register(KernelSpec(
+    name="moe_reference",
+    description="the float32 reference as a module override (per-expert loop, ATen autograd): "
+    "torchtitan's expert math without its bf16 cast, for comparisons",
+    module_types=("GroupedExperts",),
+    install=install_experts("moe_reference", _moe_reference_op, {}),
+    requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+))

@@ -1,0 +1,147 @@
+"""RoPE kernel (``rope_fast``) for torchtitan's ``CosSinRoPE`` (rotate-half convention, as Qwen3).
+
+``y = x·cos + rotate_half(x)·sin`` computed in float32 on the two halves with in-place
+multiply-adds (no ``cat`` of a rotated copy), output in the input dtype. The backward is the
+transposed rotation, ``g·cos + rotate_halfᵀ(g·sin)``, i.e. the same kernel with ``transpose=True``.
+cos/sin are the module's non-trainable cache and receive no gradient.
+
+Custom op: ``qwen3_research::rope_fast(x, cos, sin, transpose) -> y`` (fake impl + autograd).
+``rope_reference`` is the float32 reference (torchtitan's own formula).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+
+NS = "qwen3_research"
+
+
+def rope_reference(x, cos, sin):
+    """float32 reference: x·cos + rotate_half(x)·sin (torchtitan ``CosSinRoPE.apply_rotary_emb``)."""
+    xf = x.float()
+    h = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return xf * cos.float() + rot * sin.float()
+
+
+def _rope_impl(x, cos, sin, transpose: bool):
+    xf = x.float()
+    cos, sin = cos.float(), sin.float()
+    h = x.shape[-1] // 2
+    x1, x2 = xf[..., :h], xf[..., h:]
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(x1, c1, out=o1)
+    torch.mul(x2, c2, out=o2)
+    if not transpose:  # o1 = x1 c1 - x2 s1 ; o2 = x2 c2 + x1 s2
+        o1.addcmul_(x2, s1, value=-1.0)
+        o2.addcmul_(x1, s2)
+    else:  # o1 = x1 c1 + x2 s2 ; o2 = x2 c2 - x1 s1
+        o1.addcmul_(x2, s2)
+        o2.addcmul_(x1, s1, value=-1.0)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op(f"{NS}::rope_fast", mutates_args=())
+def rope_fast_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return _rope_impl(x, cos, sin, transpose)
+
+
+@rope_fast_op.register_fake
+def _(x, cos, sin, transpose):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    _, cos, sin, transpose = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.transpose = transpose
+
+
+def _backward(ctx, g):
+    cos, sin = ctx.saved_tensors
+    return rope_fast_op(g.contiguous(), cos, sin, not ctx.transpose), None, None, None
+
+
+rope_fast_op.register_autograd(_backward, setup_context=_setup)
+
+
+def rope_fast(x, cos, sin):
+    return rope_fast_op(x, cos, sin, False)
+
+
+# ---------------------------------------------------------------------------- module override
+_CLASS_CACHE: dict = {}
+
+
+def make_rope_forward(apply):
+    """A CosSinRoPE.forward that applies ``apply(x, cos, sin)`` to query and key."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor | None = None):
+        from torch.distributed.tensor import DTensor, Shard
+
+        cache = self._reshape_cache(query, positions)
+        if isinstance(cache, DTensor):
+            cache = cache.to_local()
+        head_dim = query.shape[-1]
+        cos, sin = cache[..., :head_dim], cache[..., head_dim:]
+        if isinstance(query, DTensor):
+            # Tensor parallel shards heads (Shard(2)); the rotation is per position and head.
+            for p in (*query.placements, *key.placements):
+                if isinstance(p, Shard) and p.dim in (1, 3):
+                    raise RuntimeError(f"{type(self).__name__}: q/k sharded on dim {p.dim} is not supported")
+            q_out = apply(query.to_local(), cos, sin)
+            k_out = apply(key.to_local(), cos, sin)
+            return (
+                DTensor.from_local(q_out, query.device_mesh, query.placements, run_check=False),
+                DTensor.from_local(k_out, key.device_mesh, key.placements, run_check=False),
+            )
+        return apply(query, cos, sin), apply(key, cos, sin)
+
+    return forward
+
+
+def install_rope(kernel: str, apply):
+    def install(module, options: dict) -> None:
+        if options:
+            from qwen3_research.config import ConfigError
+
+            raise ConfigError(f"kernel {kernel} takes no options; got {sorted(options)}")
+        base = type(module)
+        key = (kernel, base)
+        if key not in _CLASS_CACHE:
+            _CLASS_CACHE[key] = type(
+                f"{base.__name__}_{kernel}", (base,), {"forward": make_rope_forward(apply), "kernel_name": kernel}
+            )
+        module.__class__ = _CLASS_CACHE[key]
+        module._kernel_options = {}
+
+    return install
+
+
+def _verify(module, shapes, device, options):
+    from qwen3_research.kernels.verify import verify_rope
+
+    return verify_rope(module, shapes, device, rope_fast)
+
+
+register(KernelSpec(
+    name="rope_fast",
+    description="CosSin RoPE (rotate-half) by in-place half-wise multiply-adds in float32",
+    module_types=("CosSinRoPE",),
+    install=install_rope("rope_fast", rope_fast),
+    requirements=Requirements(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")),
+    verify=_verify,
+))
+
+
+register(KernelSpec(
+    name="rope_reference",
+    description="the float32 reference as a module override (torchtitan's formula), for comparisons",
+    module_types=("CosSinRoPE",),
+    install=install_rope("rope_reference", lambda x, c, s: rope_reference(x, c, s).to(x.dtype)),
+    requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+))

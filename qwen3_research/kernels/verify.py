@@ -1,0 +1,153 @@
+"""Each active kernel against its float32 reference, forward and backward, on random inputs of the
+run's shapes. Used by ``python -m qwen3_research.verify_kernels`` and ``kernels.verify=true``.
+
+Error measure per tensor: max |kernel - reference| (abs) and abs / max |reference| (rel).
+Backward covers every differentiable input (MoE: x, w1, w2, w3; RoPE: x) under one random
+upstream gradient; the worst tensor is reported. A kernel passes when fwd and bwd rel <= its
+tolerance (1e-5 in float32; 2e-2 when an entry computes in bfloat16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwen3_research.config import ConfigError
+
+
+@dataclass
+class Check:
+    kernel: str
+    entry: str
+    module: str
+    shapes: str
+    fwd_abs: float
+    fwd_rel: float
+    bwd_abs: float
+    bwd_rel: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.fwd_rel <= self.tol and self.bwd_rel <= self.tol
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    diff = (out - ref).abs().max().item() if ref.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    return diff, diff / scale if scale > 0 else diff
+
+
+def _worst(pairs) -> tuple[float, float]:
+    errs = [_err(a, b) for a, b in pairs]
+    return max(e[0] for e in errs), max(e[1] for e in errs)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """Per-expert row counts of ``tokens`` tokens each routed to ``top_k`` distinct experts."""
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    ids = scores.topk(min(top_k, num_experts), dim=-1).indices
+    return torch.bincount(ids.flatten(), minlength=num_experts)
+
+
+def verify_moe(module, shapes: dict, device, options: dict, *, op, default_options: dict) -> list[tuple]:
+    from qwen3_research.kernels.moe import _DTYPES, moe_reference
+
+    E, Fh, D = _local(module.w1_EFD).shape
+    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
+    counts = random_routing(shapes["tokens"], E, shapes["top_k"], gen)
+    R = int(counts.sum())
+    x = torch.randn(R, D, generator=gen)
+    w1 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
+    w3 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
+    w2 = torch.randn(E, D, Fh, generator=gen) * Fh**-0.5
+    gy = torch.randn(R, D, generator=gen)
+    opts = {**default_options, **{k: v for k, v in options.items() if k != "dtype"}}
+    dt = _DTYPES[options.get("dtype", "input")] or torch.float32
+
+    ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    ref = moe_reference(*ins, counts)
+    ref.backward(gy)
+    dev = device.torch_device
+    kin = [t.to(dev).clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    out = op(*(t.to(dt) for t in kin), counts.to(dev), **opts).float()
+    out.backward(gy.to(dev))
+    fa, fr = _err(out, ref)
+    ba, br = _worst([(k.grad, r.grad) for k, r in zip(kin, ins)])
+    return [(f"x({R},{D}) E={E} F={Fh} top{shapes['top_k']} {str(dt).replace('torch.', '')}", fa, fr, ba, br,
+             1e-5 if dt == torch.float32 else 2e-2)]
+
+
+def verify_rope(module, shapes: dict, device, apply) -> list[tuple]:
+    from qwen3_research.kernels.rope import rope_reference
+
+    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
+    B, L, NH, H = shapes["batch"], shapes["seq_len"], shapes["n_heads"], module.config.dim
+    cache = module.cache.detach().float().cpu()[:L]
+    cos, sin = cache[:, :H].view(1, L, 1, H), cache[:, H:].view(1, L, 1, H)
+    x = torch.randn(B, L, NH, H, generator=gen)
+    g = torch.randn(B, L, NH, H, generator=gen)
+    xr = x.clone().requires_grad_(True)
+    ref = rope_reference(xr, cos, sin)
+    ref.backward(g)
+    dev = device.torch_device
+    xk = x.to(dev).requires_grad_(True)
+    out = apply(xk, cos.to(dev), sin.to(dev))
+    out.backward(g.to(dev))
+    fa, fr = _err(out, ref)
+    ba, br = _err(xk.grad, xr.grad)
+    return [(f"x({B},{L},{NH},{H}) float32", fa, fr, ba, br, 1e-5)]
+
+
+def run_shapes(model, cfg) -> dict:
+    """Shapes of this run per rank: tokens per micro-batch, heads, experts' top-k."""
+    top_k = next((m.top_k for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"), 1)
+    n_heads = next((m.n_heads for m in model.modules() if hasattr(m, "n_heads") and hasattr(m, "rope")), 1)
+    return {
+        "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "tokens": cfg.data.batch_size * cfg.data.seq_len,
+        "top_k": top_k, "n_heads": n_heads, "seed": cfg.training.seed,
+    }
+
+
+def verify_plan(model, plan: dict, cfg, device, *, raise_on_fail: bool = False, printer=print) -> list[Check]:
+    """One check per kernel entry (on its first matched module: all share shapes). Prints a table."""
+    from qwen3_research.kernels.registry import KERNELS, entry_labels
+
+    shapes = run_shapes(model, cfg)
+    mods = dict(model.named_modules())
+    checks: list[Check] = []
+    for label, entry in entry_labels(cfg.kernels.entries):
+        fqns = plan.get(label) or []
+        spec = KERNELS[entry.name]
+        if not fqns or spec.verify is None:
+            continue
+        for shp, fa, fr, ba, br, tol in spec.verify(mods[fqns[0]], shapes, device, dict(entry.options or {})):
+            checks.append(Check(entry.name, label, fqns[0], shp, fa, fr, ba, br, tol))
+    printer(format_checks(checks))
+    failed = [c for c in checks if not c.ok]
+    if failed and raise_on_fail:
+        c = failed[0]
+        raise ConfigError(
+            f"kernels.verify=true: kernel {c.kernel} fails its float32 check on {c.shapes} (fwd rel {c.fwd_rel:.2e}, "
+            f"bwd rel {c.bwd_rel:.2e} > tol {c.tol:.0e}); use kernels=none or report the kernel"
+        )
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    head = f"{'kernel':<12} {'shapes':<34} {'fwd max abs':>11} {'fwd rel':>9} {'bwd max abs':>11} {'bwd rel':>9} {'tol':>7}  result"
+    lines = ["kernel verification against float32 references (forward and backward):", head]
+    for c in checks:
+        lines.append(
+            f"{c.kernel:<12} {c.shapes:<34} {c.fwd_abs:>11.3e} {c.fwd_rel:>9.2e} {c.bwd_abs:>11.3e} {c.bwd_rel:>9.2e} "
+            f"{c.tol:>7.0e}  {'PASS' if c.ok else 'FAIL'}"
+        )
+    if not checks:
+        lines.append("(no active kernel)")
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""``python -m qwen3_research.verify_kernels kernels=<option> [overrides]``
+
+Builds the run's model (same config as ``python -m qwen3_research``), resolves and installs the
+kernel overrides exactly as a run would, then checks every active kernel against its float32
+reference on random inputs of the run's shapes (batch × seq_len tokens, heads, experts, top-k),
+forward and backward. Prints max abs and rel error per kernel with PASS/FAIL against the stated
+tolerance. Exit status: 0 all pass, 1 a kernel fails, 2 a configuration error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra import compose, initialize_config_dir
+
+    from qwen3_research.__main__ import CONF_DIR, format_compose_error
+    from qwen3_research.config import ConfigError, register_configs, to_run_config, validate
+
+    register_configs()
+    overrides = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception as e:  # noqa: BLE001
+        print(format_compose_error(e), file=sys.stderr)
+        return 2
+    try:
+        rc = validate(to_run_config(cfg))
+        from qwen3_research import device as devices
+
+        device_type = devices.resolve_device_type(rc.device.type)
+        devices.prepare_torchtitan(device_type)
+        device = devices.Device(device_type, 0, rc.device.lnc)
+        from qwen3_research import models
+        from qwen3_research.kernels import apply_overrides
+        from qwen3_research.kernels.verify import verify_plan
+
+        backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
+        rc.kernels.verify = False  # verify once, below
+        plan = apply_overrides(backend.model, rc, device)
+        checks = verify_plan(backend.model, plan, rc, device)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)}/{len(checks)} kernel(s) pass")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
