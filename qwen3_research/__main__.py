@@ -80,8 +80,9 @@ def preflight(overrides: list[str]) -> None:
         _die(format_compose_error(e))
     try:
         rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
-        if not os.environ.get("TORCHELASTIC_RUN_ID"):
-            validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        # Under torchrun, also check the degrees against the world size it started.
+        world = int(os.environ["WORLD_SIZE"]) if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ else None
+        validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))
     except ConfigError as e:
         _die(f"config error: {e}")
 
@@ -115,6 +116,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
     from qwen3_research.launch import WorkerGroupError, run
+    from qwen3_research.trainer import TrainingError
 
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()
@@ -134,7 +136,7 @@ def _task(cfg: DictConfig):
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")
-        if isinstance(e, WorkerGroupError):
+        if isinstance(e, (WorkerGroupError, TrainingError)):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
         raise
@@ -144,6 +146,10 @@ def main() -> None:
     overrides, passthrough = _split_argv(sys.argv[1:])
     if not passthrough:
         preflight(overrides)
+        from qwen3_research.launch import torchrun_overrides, under_torchrun
+
+        if under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
+            sys.argv += torchrun_overrides(overrides, CONF_DIR)
     _task()
 
 

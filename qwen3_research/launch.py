@@ -18,11 +18,41 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import ConfigError, RunConfig, resolve_batch_size, to_run_config, validate
-from qwen3_research.trainer import RunInfo
+from qwen3_research.trainer import RunInfo, TrainingError
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 300.0) -> list[str]:
+    """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
+
+    Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
+    directory. Rank 0 resolves ``hydra.run.dir`` once and publishes it in the torchrun
+    agent's TCPStore (MASTER_ADDR:MASTER_PORT, reachable from every node); the other ranks
+    wait for it. Ranks other than 0 also write no ``.hydra/`` copy and no log file there.
+    """
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    rank = int(os.environ.get("RANK", "0"))
+    quiet = [] if rank == 0 else ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in overrides):
+        return quiet
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=timeout_s))
+    key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        run_dir = os.path.abspath(str(cfg.hydra.run.dir))
+        store.set(key, run_dir)
+    else:
+        run_dir = store.get(key).decode()  # blocks until rank 0 has set it
+    return [f"hydra.run.dir={json.dumps(run_dir)}"] + quiet
 
 
 def _limit_threads(local_world_size: int) -> None:
@@ -61,6 +91,8 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from qwen3_research.parallel import rdzv_endpoint
+
     p = rc.parallelism
     config = LaunchConfig(
         min_nodes=p.nnodes,
@@ -68,7 +100,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         nproc_per_node=p.nproc_per_node,
         run_id=os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
-        rdzv_endpoint=p.rdzv_endpoint,
+        rdzv_endpoint=rdzv_endpoint(p),
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -113,11 +145,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         else:
             summary = _elastic(resolved, info, rc)
     except BaseException as e:
-        reason = str(e) if isinstance(e, (ConfigError, WorkerGroupError)) else f"{type(e).__name__}: {e}"
+        clean = (ConfigError, WorkerGroupError, TrainingError)
+        reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
         if not under_torchrun() or os.environ.get("RANK", "0") == "0":
             _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__,
                                       "wall_s": time.perf_counter() - t0})
-        if not isinstance(e, (ConfigError, WorkerGroupError, KeyboardInterrupt)):
+        if not isinstance(e, (*clean, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)
         raise
     summary = {**summary, "wall_s": time.perf_counter() - t0}

@@ -53,7 +53,7 @@ class ConsoleSink(MetricSink):
         if self.print_config:
             from omegaconf import OmegaConf
 
-            self._write("config:\n" + OmegaConf.to_yaml(config).rstrip())
+            self._write("config:\n" + OmegaConf.to_yaml(redact_secrets(config)).rstrip())
         self._write(" ".join(f"{k}={v}" for k, v in summary.items()))
 
     def log(self, record: dict) -> None:
@@ -108,6 +108,28 @@ def _wandb_flat(record: dict) -> dict:
     return out
 
 
+SECRET_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def redact_secrets(obj):
+    """Replace any occurrence of a secret from the environment (API keys, tokens) by '<redacted>'."""
+    secrets = [os.environ[k] for k in SECRET_ENV_VARS if len(os.environ.get(k, "")) >= 8]
+    if not secrets:
+        return obj
+
+    def walk(x):
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, str):
+            for s in secrets:
+                x = x.replace(s, "<redacted>")
+        return x
+
+    return walk(obj)
+
+
 class WandbSink(MetricSink):
     """A W&B run (offline by default). Any W&B error turns this sink off with one warning."""
 
@@ -130,28 +152,45 @@ class WandbSink(MetricSink):
         if mode == "disabled":
             return
         try:
-            import wandb
-
-            self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT") or self.cfg.project,
-                entity=os.environ.get("WANDB_ENTITY") or self.cfg.entity,
-                group=self.group,
-                job_type=self.job_type,
-                name=self.name,
-                tags=list(self.cfg.tags),
-                dir=str(self.run_dir),
-                config=self._with_swept(config),
-                mode=mode,
-                reinit="finish_previous",
-                settings=wandb.Settings(quiet=True),
-            )
-            self.run.define_metric("train/step")
-            self.run.define_metric("train/*", step_metric="train/step")
-            self.run.define_metric("eval/*", step_metric="train/step")
-            self.run.define_metric("memory/*", step_metric="train/step")
-            self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
+            self.run = self._init(config, mode)
         except Exception as e:  # noqa: BLE001 - W&B must never stop training
-            self._fail("init", e)
+            if mode != "online":
+                self._fail("init", e)
+                return
+            warnings.warn(
+                f"W&B online start failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the run is kept "
+                f"offline in {self.run_dir / 'wandb'}: upload it later with `wandb sync <offline-run dir>`",
+                stacklevel=2,
+            )
+            try:
+                self.run = self._init(config, "offline")
+            except Exception as e2:  # noqa: BLE001
+                self._fail("offline fallback", e2)
+                return
+        try:
+            self.run.define_metric("train/step")
+            for pattern in ("train/*", "eval/*", "memory/*"):
+                self.run.define_metric(pattern, step_metric="train/step")
+            self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
+        except Exception as e:  # noqa: BLE001
+            self._fail("setup", e)
+
+    def _init(self, config: dict, mode: str):
+        import wandb
+
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or self.cfg.project,
+            entity=os.environ.get("WANDB_ENTITY") or self.cfg.entity,
+            group=self.group,
+            job_type=self.job_type,
+            name=self.name,
+            tags=redact_secrets(list(self.cfg.tags)),
+            dir=str(self.run_dir),
+            config=redact_secrets(self._with_swept(config)),
+            mode=mode,
+            reinit="finish_previous",
+            settings=wandb.Settings(quiet=True, init_timeout=self.cfg.init_timeout),
+        )
 
     def _with_swept(self, config: dict) -> dict:
         if not self.swept:
