@@ -126,6 +126,7 @@ class WandbConfig:
     group: Optional[str] = None  # None: the sweep dir name in multirun, else none
     name: Optional[str] = None  # None: derived from the overrides
     tags: List[str] = field(default_factory=list)
+    init_timeout: float = 30.0  # seconds W&B may take to start online before the run falls back to offline
 
 
 @dataclass
