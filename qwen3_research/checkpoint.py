@@ -1,0 +1,457 @@
+"""Distributed checkpoints (save, keep, resume) and HF safetensors -> native Qwen3 import.
+
+A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` written by
+torch.distributed.checkpoint (DCP: model, optimizer, scheduler, step, per-rank RNG) plus
+``meta.json`` (step, layout, run config). Every rank writes into ``.tmp-step-…`` first;
+rank 0 adds ``meta.json`` last and renames the directory, so a crash mid-save leaves the
+previous checkpoints untouched and the partial one invisible. DCP reshards on load, so a
+checkpoint resumes (or exports) under any parallel layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from qwen3_research.config import ConfigError, RunConfig
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+META = "meta.json"
+# Test hook: SIGKILL this process during the save of this step (after the DCP write, before the rename).
+KILL_IN_SAVE_ENV = "QWEN3_RESEARCH_TEST_KILL_IN_SAVE"
+
+
+# -- finding checkpoints --------------------------------------------------------------------
+
+
+def is_complete(path: Path) -> bool:
+    return STEP_DIR.match(path.name) is not None and (path / META).is_file() and (path / ".metadata").is_file()
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpoint.resume") -> Path | None:
+    """``auto`` -> newest complete one under ``root`` (None if none); a path -> that step dir, or the newest in it."""
+    if spec == "auto":
+        found = list_checkpoints(root) if root is not None else []
+        return found[-1] if found else None
+    path = Path(os.path.expanduser(spec)).resolve()
+    if is_complete(path):
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    if not path.exists():
+        raise ConfigError(f"{what}={spec!r}: no such directory")
+    raise ConfigError(
+        f"{what}={spec!r}: not a complete checkpoint (a step-N directory with {META} and .metadata) "
+        "and holds none; an interrupted save leaves only a .tmp-step-N directory"
+    )
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {path}: {META} is unreadable ({e})") from None
+
+
+def saved_tensor_shapes(path: Path) -> dict[str, tuple]:
+    """Global tensor shapes recorded in a DCP checkpoint (layout-independent)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
+        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def check_model_matches(path: Path, model_state: dict, *, what: str) -> None:
+    """A one-line ConfigError unless the checkpoint's model tensors have the current model's names and shapes."""
+    saved = {k[len("model."):]: v for k, v in saved_tensor_shapes(path).items() if k.startswith("model.")}
+    current = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    differ = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    if not (missing or extra or differ):
+        return
+    meta = read_meta(path).get("model", {})
+    saved_as = f"{meta.get('backend', '?')}/{meta.get('flavor', '?')}" + (f" {meta['path']}" if meta.get("path") else "")
+    parts = [f"{k}: checkpoint {list(saved[k])} vs model {list(current[k])}" for k in differ[:2]]
+    parts += [f"{len(missing)} model tensors not in the checkpoint (e.g. {missing[0]})"] if missing else []
+    parts += [f"{len(extra)} checkpoint tensors not in the model (e.g. {extra[0]})"] if extra else []
+    raise ConfigError(
+        f"{what}: {path} holds another model shape (saved as model={saved_as}): {'; '.join(parts)}; "
+        "resume with the same model settings, or use another checkpoint.dir"
+    )
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by their module path, as stored (sharded DTensors stay sharded).
+
+    Not ``state_dict()``: torchtitan's fused QKV renames its weight in state-dict hooks, which
+    DCP's state-dict helpers cannot map back to a module. Detached views, so DCP loads in place.
+    """
+    model = unwrap(model)
+    out = {name: p.detach() for name, p in model.named_parameters()}
+    for mod_name, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = b.detach()
+    return out
+
+
+def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """The unsharded ``state_dict()`` (native key names) on CPU, on rank 0; collective under FSDP/TP."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in unwrap(model).state_dict().items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        if is_main:
+            out[k] = v.detach().cpu()
+    return out
+
+
+# -- the trainer's checkpointer -------------------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> bytes:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return pickle.dumps(state)
+
+
+def _set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Save every ``checkpoint.every`` steps and at the end, resume before the loop, export HF at the end."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg.checkpoint
+        root = Path(os.path.expanduser(self.cfg.dir))
+        self.root = root if root.is_absolute() else trainer.run_dir / root
+        self.last_saved: int | None = None
+        self.resume_from: Path | None = None
+        if self.cfg.resume:
+            self.resume_from = find_checkpoint(self.cfg.resume, self.root)
+            if self.resume_from is not None:  # fail before anything is written, on every rank
+                check_model_matches(self.resume_from, self._model_state(), what=f"checkpoint.resume={self.cfg.resume}")
+
+    def _log(self, text: str) -> None:
+        if self.trainer.is_main:
+            print(text, flush=True)
+
+    def _model_state(self) -> dict:
+        return model_tensors(self.trainer.backend.model)
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        t = self.trainer
+        return {
+            "model": self._model_state(),
+            "optim": get_optimizer_state_dict(unwrap(t.backend.model), t.optimizer),
+            "scheduler": pickle.dumps(t.scheduler.state_dict()),
+            "progress": pickle.dumps({"step": t.step}),
+            f"rng_rank{t.rank}": _rng_state(),
+        }
+
+    # -- resume ---------------------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        if self.cfg.resume and self.resume_from is None:
+            self._log(f"checkpoint.resume={self.cfg.resume}: no complete checkpoint under {self.root}; starting at step 0")
+        if self.resume_from is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        t = self.trainer
+        state = self._state()
+        if f"rng_rank{t.rank}" not in _metadata_keys(self.resume_from):  # resumed under a different world size: keep this rank's RNG
+            state.pop(f"rng_rank{t.rank}")
+        try:
+            dcp.load(state, checkpoint_id=str(self.resume_from))
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
+            raise ConfigError(f"checkpoint.resume: cannot read {self.resume_from} ({_first_line(e)})") from None
+        set_optimizer_state_dict(unwrap(t.backend.model), t.optimizer, state["optim"])
+        t.scheduler.load_state_dict(pickle.loads(state["scheduler"]))
+        t.step = int(pickle.loads(state["progress"])["step"])
+        if f"rng_rank{t.rank}" in state:
+            _set_rng_state(state[f"rng_rank{t.rank}"])
+        self.last_saved = t.step
+        self._log(f"resumed from {self.resume_from} at step {t.step}")
+
+    # -- save -----------------------------------------------------------------------------
+    def maybe_save(self, step: int) -> None:
+        if self.cfg.enable and self.cfg.every and step % self.cfg.every == 0 and step < self.trainer.cfg.training.steps:
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        t = self.trainer
+        final = self.root / f"step-{step:08d}"
+        tmp = self.root / f".tmp-step-{step:08d}"
+        if t.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        t0 = time.perf_counter()
+        dcp.save(self._state(), checkpoint_id=str(tmp))
+        if os.environ.get(KILL_IN_SAVE_ENV) == str(step) and t.is_main:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the data written, before it is published
+        _barrier()
+        if t.is_main:
+            meta = {
+                "step": step, "time": time.time(), "world_size": t.world_size, "layout": t.degrees.describe(),
+                "model": dataclasses.asdict(t.cfg.model), "config": dataclasses.asdict(t.cfg),
+            }
+            with open(tmp / META, "w") as fh:
+                json.dump(meta, fh, indent=1, default=str)
+                fh.flush()
+                os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            old = self.root / f".old-step-{step:08d}"
+            if final.exists():  # re-saving a step (after a resume): swap, never delete first
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
+            self._prune(step)
+            self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
+        _barrier()
+        self.last_saved = step
+        return final
+
+    def _prune(self, step: int) -> None:
+        complete = list_checkpoints(self.root)
+        for p in complete[: max(0, len(complete) - self.cfg.keep)]:
+            shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.glob(".tmp-step-*"):  # leftovers of interrupted saves
+            shutil.rmtree(p, ignore_errors=True)
+
+    def finish(self) -> None:
+        t = self.trainer
+        if self.cfg.enable and self.last_saved != t.step:
+            self.save(t.step)
+        if self.cfg.export_hf:
+            from qwen3_research.export import export_from_trainer
+
+            export_from_trainer(t, t.run_dir / "hf")
+
+
+def _metadata_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def preflight(rc: RunConfig, run_dir: Path) -> None:
+    """Cheap checks in the launching process (before workers start): resume target and init_from config."""
+    ck = rc.checkpoint
+    if ck.resume:
+        root = Path(os.path.expanduser(ck.dir))
+        root = root if root.is_absolute() else Path(run_dir) / root
+        found = find_checkpoint(ck.resume, root)
+        if found is not None:
+            saved = read_meta(found).get("model", {})
+            differ = [f"{k}={saved.get(k)!r}" for k in ("backend", "flavor", "path") if saved.get(k) != getattr(rc.model, k)]
+            if differ:
+                raise ConfigError(
+                    f"checkpoint.resume={ck.resume}: {found} holds another model shape (saved with model "
+                    f"{', '.join(differ)}); resume with the same model settings, or use another checkpoint.dir"
+                )
+    if rc.model.init_from and rc.model.backend != "hf":
+        from qwen3_research.models import get_flavor
+
+        check_hf_config(rc.model.init_from, rc.model.backend, rc.model.flavor, get_flavor(rc.model.backend, rc.model.flavor))
+        hf_safetensors_files(rc.model.init_from)
+
+
+# -- HF safetensors -> native ---------------------------------------------------------------
+
+
+def hf_config_fields(flavor, moe: bool) -> dict:
+    """The config.json fields (HF names) that fix the weights' shapes and the maths, from a flavor."""
+    fields = {
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "vocab_size": flavor.vocab_size, "hidden_size": flavor.dim, "num_hidden_layers": flavor.n_layers,
+        "num_attention_heads": flavor.n_heads, "num_key_value_heads": flavor.n_kv_heads,
+        "head_dim": flavor.head_dim, "tie_word_embeddings": flavor.tie_embeddings,
+        "rope_theta": flavor.rope_theta, "rms_norm_eps": 1e-6,
+    }
+    if moe:
+        fields.update(moe_intermediate_size=flavor.hidden_dim, num_experts=flavor.num_experts,
+                      num_experts_per_tok=flavor.top_k, norm_topk_prob=True)
+    else:
+        fields.update(intermediate_size=flavor.hidden_dim)
+    return fields
+
+
+def _read_hf_config(hf_dir: str) -> dict:
+    path = Path(os.path.expanduser(hf_dir))
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from={hf_dir!r}: no such directory")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model.init_from={hf_dir!r}: no config.json; point it at a Hugging Face model directory") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.init_from={hf_dir!r}: config.json is unreadable ({e})") from None
+    rope = cfg.get("rope_parameters") or {}
+    cfg.setdefault("rope_theta", rope.get("rope_theta"))
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        cfg["num_experts"] = cfg["num_local_experts"]
+    return cfg
+
+
+def check_hf_config(hf_dir: str, backend: str, flavor_name: str, flavor) -> dict:
+    """config.json must describe the flavor's architecture; a mismatch names every differing field."""
+    cfg = _read_hf_config(hf_dir)
+    want = hf_config_fields(flavor, backend == "native_moe")
+    if cfg.get("model_type") != want["model_type"]:
+        arch = ",".join(cfg.get("architectures") or []) or "?"
+        raise ConfigError(
+            f"model.init_from={hf_dir!r}: config.json is model_type={cfg.get('model_type')!r} ({arch}) but "
+            f"model={backend} needs model_type={want['model_type']!r}; use model=hf model.path=... for other architectures"
+        )
+    differ = []
+    for key, value in want.items():
+        got = cfg.get(key)
+        same = got == value if not isinstance(value, float) else got is not None and abs(float(got) - value) <= 1e-9 * abs(value)
+        if not same:
+            differ.append(f"{key}={got!r} (flavor {flavor_name}: {value!r})")
+    if differ:
+        raise ConfigError(f"model.init_from={hf_dir!r}: config.json differs from model.flavor={flavor_name}: {', '.join(differ)}")
+    return cfg
+
+
+def hf_safetensors_files(hf_dir: str) -> list[Path]:
+    path = Path(os.path.expanduser(hf_dir))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.init_from={hf_dir!r}: {index.name} is unreadable ({e})") from None
+        files = [path / n for n in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ConfigError(f"model.init_from={hf_dir!r}: {index.name} lists missing files: {', '.join(absent[:3])}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.init_from={hf_dir!r}: no *.safetensors weights there (only {sorted(p.name for p in path.iterdir())[:6]})")
+    return files
+
+
+def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, by on-disk HF key."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in hf_safetensors_files(hf_dir):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    out[k] = fh.get_tensor(k)
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ValueError for damaged files
+            raise ConfigError(f"model.init_from={hf_dir!r}: {f.name} is corrupt or truncated ({_first_line(e)})") from None
+    return out
+
+
+def load_hf_into_native(backend, hf_dir: str) -> None:
+    """Load an HF Qwen3 checkpoint into a NativeQwen3 backend (before or after sharding)."""
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    flavor = backend.flavor
+    kind = "native_moe" if backend.is_moe else "native"
+    name = next((n for n, f in _flavors(kind).items() if f == flavor), "?")
+    check_hf_config(hf_dir, kind, name, flavor)
+    hf_sd = read_hf_safetensors(hf_dir)
+    adapter = Qwen3StateDictAdapter(backend.model_config, None)
+    try:
+        native = adapter.from_hf(hf_sd)
+    except (KeyError, ValueError, AssertionError, RuntimeError) as e:
+        raise ConfigError(f"model.init_from={hf_dir!r}: unexpected tensor layout ({_first_line(e)})") from None
+    if not backend._initialized:
+        backend.init_weights()
+    model_sd = backend.model.state_dict()
+    wanted = {k for k in model_sd if not k.endswith("expert_bias_E")}  # native-only routing bias: stays 0
+    missing = sorted(wanted - set(native))
+    unexpected = sorted(set(native) - set(model_sd))
+    bad = sorted(k for k in wanted & set(native) if tuple(native[k].shape) != tuple(model_sd[k].shape))
+    if missing or unexpected or bad:
+        detail = [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(unexpected)
+        detail += [f"{k}: {list(native[k].shape)} vs {list(model_sd[k].shape)}" for k in bad[:2]]
+        raise ConfigError(f"model.init_from={hf_dir!r}: safetensors do not fit model.flavor={name}: {'; '.join(detail)}")
+    native = {k: v.to(model_sd[k].dtype) for k, v in native.items() if k in wanted}
+    if any(hasattr(v, "device_mesh") for v in model_sd.values()):
+        raise ConfigError("model.init_from: load HF weights before sharding (models.build does)")
+    # load_state_dict, not copies into state_dict(): torchtitan's fused QKV merges wq/wk/wv in a load hook
+    result = backend.model.load_state_dict(native, strict=False)
+    left = [k for k in result.missing_keys if not k.endswith("expert_bias_E")]
+    if left or result.unexpected_keys:
+        raise ConfigError(f"model.init_from={hf_dir!r}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
+
+
+def _flavors(kind: str) -> dict:
+    from qwen3_research.models import flavors
+
+    return flavors.DENSE if kind == "native" else flavors.MOE
