@@ -60,7 +60,7 @@ class Trainer:
         self.degrees = parallel.validate_degrees(
             cfg.parallelism, seq_len=cfg.data.seq_len, world_size=self.world_size, **facts
         )
-        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type)
+        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type, single_process_mesh=facts["is_moe"])
         self.dp_rank, self.dp_size = self._dp_coordinates()
 
         # Data.
@@ -80,9 +80,11 @@ class Trainer:
             tt_parallelism=tt.parallelism, tokenizer=self.tokenizer,
         )
         self.kernel_plan = self._apply_kernels()
+        self.loss_scale = 1.0  # backward sees loss × this; gradients are then summed over dp ranks
         if self.degrees.sharded:
             self.backend.parallelize(self.parallel_dims, tt)
             devices.after_sharding(self.device, self.backend.model)
+            self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
         self.forward = self.backend.forward
@@ -95,6 +97,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
         self.step = 0
+        self.state_bytes: dict | None = None
         self.checkpointer = self._build_checkpointer()
         self.sinks = self._build_sinks(resolved_config)
         self.build_s = time.perf_counter() - t_start
@@ -160,7 +163,7 @@ class Trainer:
             labels = batch.labels.to(self.device.torch_device)
             loss = self._loss(inputs, labels) / t.grad_accum
             loss = _inject_fault(t.fault, step + 1, self.rank, loss)
-            loss.backward()
+            (loss * self.loss_scale).backward()
             loss_sum += loss.detach()
         grad_norm = self._clip_grad_norm(model)
         loss_value = float(self._all_reduce_mean(loss_sum))
@@ -174,6 +177,10 @@ class Trainer:
                 )
             return loss_value, grad_value  # skip: no update this step
         self.optimizer.step()
+        if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
+            from qwen3_research.parallel import state_bytes
+
+            self.state_bytes = state_bytes(model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_value, grad_value
@@ -204,6 +211,8 @@ class Trainer:
         m = self.device.memory()
         row = {"rank": self.rank, "current_gib": round(m.current_gib, 4), "peak_gib": round(m.peak_gib, 4),
                "peak_pct": round(m.peak_pct, 3), "capacity_gib": round(m.capacity_gib, 2)}
+        if self.state_bytes is not None:
+            row["state_bytes"] = self.state_bytes["total"]
         if self.world_size == 1:
             return [row]
         rows = [None] * self.world_size
@@ -285,7 +294,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        if self.world_size > 1 and torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():  # also the one-rank group of a single MoE process
             torch.distributed.destroy_process_group()
 
 

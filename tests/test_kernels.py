@@ -273,8 +273,10 @@ def test_ten_steps_rope_kernel_reproduces_torchtitan_dense(tmp_path):
     ["parallelism.nproc_per_node=2", "parallelism.tp=2", "parallelism.dp_shard=1"],
 ], ids=["dp_shard2", "tp2"])
 def test_kernels_multi_process(tmp_path, layout):
-    _, fast = _run(tmp_path, "fast", ["kernels=fast", *layout], steps=4)
-    _, ref = _run(tmp_path, "ref", ["kernels=reference", *layout], steps=4)
+    proc, fast = _run(tmp_path, "fast", ["kernels=fast", *layout], steps=4)
+    assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # installed in the workers
+    proc, ref = _run(tmp_path, "ref", ["kernels=reference", *layout], steps=4)
+    assert "kernel plan (kernels=reference): 8 module(s) overridden" in proc.stdout
     diff = max(abs(a - b) for a, b in zip(fast, ref))
     print(f"{layout}: max |loss(fast) - loss(fp32 reference)| = {diff:.3e}")
     assert len(fast) == 4 and diff < 1e-4

@@ -110,6 +110,9 @@ class NativeQwen3(ModelBackend):
         """Shard with torchtitan's Qwen3 plan; ``tt`` holds torchtitan's config objects."""
         from torchtitan.models.qwen3 import parallelize_qwen3
 
+        from qwen3_research.parallel import keep_embeddings_tied_through_tp
+
+        keep_embeddings_tied_through_tp(self.model)
         parallelize_qwen3(
             self.model, parallel_dims=parallel_dims, training=tt.training, parallelism=tt.parallelism,
             compile_config=tt.compile, ac_config=tt.activation_checkpoint, dump_folder=tt.dump_folder,
