@@ -25,6 +25,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def _writes_run_files() -> bool:
+    """summary.json comes from rank 0 under torchrun, and from the first node of a Slurm job."""
+    return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and os.environ.get("SLURM_NODEID", "0") == "0"
+
+
 def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
@@ -147,13 +152,13 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     except BaseException as e:
         clean = (ConfigError, WorkerGroupError, TrainingError)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
-        if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        if _writes_run_files():
             _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__,
                                       "wall_s": time.perf_counter() - t0})
         if not isinstance(e, (*clean, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)
         raise
     summary = {**summary, "wall_s": time.perf_counter() - t0}
-    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+    if _writes_run_files():
         _write_summary(run_path, summary)
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -40,12 +41,17 @@ def validate_degrees(
     is_moe: bool = False,
     world_size: int | None = None,
 ) -> Degrees:
-    """Resolve dp_shard=-1 and check every degree; each failure names the keys and a fix."""
+    """Resolve dp_shard=-1 and check every degree; each failure is one line naming the keys and a fix.
+
+    ``world_size``: what the launcher actually started (torchrun / a worker), if known.
+    """
     asked = p.nproc_per_node * p.nnodes
     if world_size is not None and world_size != asked:
         raise ConfigError(
             f"parallelism.nproc_per_node×nnodes={p.nproc_per_node}×{p.nnodes}={asked} but the launcher started "
-            f"{world_size} processes; set parallelism.nproc_per_node={world_size // max(p.nnodes, 1)}"
+            f"{world_size} processes; "
+            + (f"set parallelism.nproc_per_node={world_size // p.nnodes}" if world_size % p.nnodes == 0
+               else f"set parallelism.nproc_per_node and parallelism.nnodes so their product is {world_size}")
         )
     world = asked
     others = p.dp_replicate * p.tp
@@ -53,41 +59,77 @@ def validate_degrees(
         if world % others:
             raise ConfigError(
                 f"parallelism.dp_replicate×tp={p.dp_replicate}×{p.tp}={others} does not divide the world size "
-                f"{world} (nproc_per_node×nnodes); choose degrees whose product divides {world}"
+                f"nproc_per_node×nnodes={world} (dp_shard=-1 takes the rest); set parallelism.nproc_per_node to a "
+                f"multiple of {others}, or tp / dp_replicate to divisors of {world}"
             )
         dp_shard = world // others
     else:
         dp_shard = p.dp_shard
         if p.dp_replicate * dp_shard * p.tp != world:
+            fix = (f"set parallelism.dp_shard=-1 (the rest: {world // others})" if world % others == 0
+                   else f"set parallelism.nproc_per_node={p.dp_replicate * dp_shard * p.tp // p.nnodes or 1}")
             raise ConfigError(
                 f"parallelism.dp_replicate×dp_shard×tp={p.dp_replicate}×{dp_shard}×{p.tp}="
-                f"{p.dp_replicate * dp_shard * p.tp} must equal nproc_per_node×nnodes={world}; "
-                "set parallelism.dp_shard=-1 to take the rest"
+                f"{p.dp_replicate * dp_shard * p.tp} must equal nproc_per_node×nnodes={world}; {fix}"
             )
     if p.tp > 1 and n_heads is not None:
-        if n_heads % p.tp or (n_kv_heads and n_kv_heads % p.tp):
+        kv = n_kv_heads or n_heads
+        if n_heads % p.tp or kv % p.tp:
+            valid = [t for t in range(1, kv + 1) if n_heads % t == 0 and kv % t == 0]
             raise ConfigError(
-                f"parallelism.tp={p.tp} must divide the model's n_heads={n_heads} and n_kv_heads={n_kv_heads}; "
-                f"use a tp that divides {n_kv_heads or n_heads}"
+                f"parallelism.tp={p.tp} must divide the model's n_heads={n_heads} and n_kv_heads={kv}; "
+                f"use parallelism.tp in {valid}"
             )
     if p.sequence_parallel:
         if p.tp == 1:
-            raise ConfigError("parallelism.sequence_parallel=true needs parallelism.tp > 1; set tp=2 or sequence_parallel=false")
+            raise ConfigError(
+                "parallelism.sequence_parallel=true needs parallelism.tp > 1; set parallelism.tp=2 or "
+                "parallelism.sequence_parallel=false"
+            )
         if seq_len % p.tp:
             raise ConfigError(
-                f"parallelism.sequence_parallel: data.seq_len={seq_len} must be divisible by parallelism.tp={p.tp}"
+                f"parallelism.sequence_parallel=true needs data.seq_len divisible by parallelism.tp={p.tp}, got "
+                f"data.seq_len={seq_len}; use data.seq_len={(seq_len // p.tp + 1) * p.tp} or "
+                "parallelism.sequence_parallel=false"
             )
     if p.ep > 1:
         if not is_moe:
-            raise ConfigError(f"parallelism.ep={p.ep} needs a MoE model (model=native_moe); set parallelism.ep=1")
+            raise ConfigError(f"parallelism.ep={p.ep} needs a MoE model; use model=native_moe or set parallelism.ep=1")
         if num_experts and num_experts % p.ep:
-            raise ConfigError(f"parallelism.ep={p.ep} must divide the number of experts {num_experts}")
+            valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (dp_shard * p.tp) % e == 0]
+            raise ConfigError(
+                f"parallelism.ep={p.ep} must divide the model's number of experts {num_experts}; "
+                f"use parallelism.ep in {valid}"
+            )
         if (dp_shard * p.tp) % p.ep:
             raise ConfigError(
                 f"parallelism.ep={p.ep} must divide dp_shard×tp={dp_shard}×{p.tp}={dp_shard * p.tp} (experts are "
-                "sharded over the data-parallel and tensor-parallel ranks)"
+                f"sharded over the data-parallel and tensor-parallel ranks); use a smaller parallelism.ep or more ranks"
             )
+    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and "SLURM_JOB_NODELIST" not in os.environ:
+        raise ConfigError(
+            f"parallelism.nnodes={p.nnodes} needs parallelism.rdzv_endpoint=<head node>:<port> reachable from "
+            f"every node (got {p.rdzv_endpoint!r}, this machine only); or start with hydra/launcher=slurm, which "
+            "takes the head node from Slurm"
+        )
     return Degrees(world, p.dp_replicate, dp_shard, p.tp, p.ep, p.sequence_parallel)
+
+
+def is_loopback(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]", "")
+
+
+def rdzv_endpoint(p: ParallelismConfig) -> str:
+    """Where the worker group meets: the configured endpoint, or under Slurm the job's first node."""
+    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and os.environ.get("SLURM_JOB_NODELIST"):
+        import subprocess
+
+        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                               capture_output=True, text=True, check=True).stdout.split()
+        port = int(p.rdzv_endpoint.rsplit(":", 1)[1] or 0) or 29500
+        return f"{hosts[0]}:{port}"
+    return p.rdzv_endpoint
 
 
 def torchtitan_parallelism(d: Degrees):
@@ -104,15 +146,32 @@ def torchtitan_parallelism(d: Degrees):
     )
 
 
-def build_parallel_dims(d: Degrees, device_type: str):
-    """torchtitan ParallelDims with its mesh built on the current process group (when sharded)."""
-    from torchtitan.distributed import ParallelDims
+def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bool = False):
+    """torchtitan ParallelDims with its mesh built on the current process group.
 
+    Sharded runs always get a mesh. One process gets one only with ``single_process_mesh``
+    (MoE: torchtitan's load-balancing optimizer hook asks for the "loss" mesh even at world
+    size 1); it then runs on a one-rank process group over an in-memory store.
+    """
+    import torch
+    import torch.distributed as dist
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as tt_dist
+
+    # torchtitan builds size-1 mesh axes on the "fake" c10d backend, which torch registers
+    # only when this (test-namespace) module is imported.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    # The model code (MoE token dispatch) reads this global, whose default is spmd_types.
+    tt_dist.set_spmd_backend("partial_dtensor")
     dims = ParallelDims(
         dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=1, ep=d.ep,
         world_size=d.world_size, spmd_backend="partial_dtensor",
     )
-    if d.sharded:
+    if not d.sharded and single_process_mesh and not dist.is_initialized():
+        backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if d.sharded or single_process_mesh:
         dims.build_mesh()
     return dims
 
@@ -132,3 +191,66 @@ def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compi
         activation_checkpoint=ac,
         dump_folder=run_dir,
     )
+
+
+def sum_gradients_over_dp(model, degrees: Degrees) -> float:
+    """Make every FSDP/HSDP unit *sum* gradients over the dp ranks; return the loss scale 1/dp.
+
+    This is torchtitan's own convention (``apply_fsdp_to_decoder`` sets each unit's divide
+    factor to 1 and its trainer normalizes the loss globally); we set it again here so any
+    backend's FSDP units follow it. The trainer multiplies each rank's mean loss by the
+    returned scale before backward, so the summed gradients are the global-batch mean.
+    Measured on gloo: letting FSDP divide instead (factor = dp) halves the expert gradients
+    with ep=2, because FSDP divides twice when an expert unit's reduce group has size 1.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return 1.0 / degrees.dp
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this rank actually holds for a tensor (the local shard of a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model, optimizer=None) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state, from the local shards."""
+    import torch
+
+    params = list(model.parameters())
+    out = {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # skip scalar 'step'
+                    out["optimizer"] += local_bytes(value)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def keep_embeddings_tied_through_tp(model) -> None:
+    """Re-tie ``tok_embeddings.weight`` to ``lm_head.weight`` right after torchtitan's TP step.
+
+    torchtitan 0.3.0's ``Module.parallelize`` distributes each module's parameters on its
+    own, so a tied model comes out of tensor parallelism with two independent weights
+    (measured: tp=2 gradients differ from one process by 25 %). Both are ``Shard(0)`` over
+    the vocabulary on the tp mesh, so sharing the lm_head's DTensor restores the tie before
+    FSDP groups them into one unit (which it does for tied models).
+    """
+    if not getattr(model, "enable_weight_tying", False) or "parallelize" in vars(model):
+        return
+    tp_parallelize = model.parallelize
+
+    def parallelize_and_retie(parallel_dims):
+        tp_parallelize(parallel_dims)
+        model.tok_embeddings.weight = model.lm_head.weight
+
+    model.parallelize = parallelize_and_retie
