@@ -181,7 +181,9 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024,
     best = 0.0
     deadline = time.perf_counter() + seconds
     a @ b  # warm-up
-    while time.perf_counter() < deadline:
+    # At least one timed product: a slow dtype (bf16 on a CPU without bf16 units takes longer
+    # than ``seconds`` per product) would otherwise report, and cache, a peak of 0.
+    while best == 0.0 or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         a @ b
         if device.type == "cuda":

@@ -1,0 +1,101 @@
+"""(7) Start-up: time from the command to the first step, split into imports, config, build, first step.
+
+Two measurements, each repeated:
+  A. the real command ``python -m qwen3_research training.steps=1 …`` in a subprocess: wall time
+     seen by the caller, and from its summary.json the Trainer's build_s and first_step_s;
+  B. an instrumented child doing what the command does, with a clock between phases:
+     interpreter start → imports (qwen3_research entry, torch, torchtitan model code) →
+     config (Hydra compose + validation) → build (Trainer: data, model, optimizer, sinks) →
+     first step (Trainer.train() for one step) → exit.
+
+    python benchmarks/bench_startup.py             # --quick (default): 2 repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OVERRIDES = ["model=native", "model.flavor=tiny", "data.seq_len=128", "data.batch_size=4", "training.steps=1",
+             "training.eval_every=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+
+CHILD = r"""
+import time, os, sys, json
+t_start = float(os.environ["BENCH_T0"])
+t_interp = time.time()
+t0 = time.perf_counter()
+sys.path.insert(0, os.environ["BENCH_HERE"])
+import qwen3_research.__main__  # the entry module (Hydra, config schemas)
+from qwen3_research.launch import worker  # launcher + trainer module
+import torch
+from qwen3_research import device as devices
+devices.prepare_torchtitan("cpu")
+import torchtitan.models.qwen3  # what the Trainer imports while building
+t_imports = time.perf_counter()
+import _common as C
+resolved = C.compose(json.loads(os.environ["BENCH_OVERRIDES"]))
+from qwen3_research.config import to_run_config
+rc = to_run_config(resolved)
+t_config = time.perf_counter()
+from qwen3_research.trainer import RunInfo, Trainer
+import tempfile
+trainer = Trainer(rc, RunInfo(run_dir=tempfile.mkdtemp(prefix="startup_")), resolved)
+t_build = time.perf_counter()
+summary = trainer.train()
+trainer.close()
+t_first = time.perf_counter()
+print("BENCH " + json.dumps({"interpreter": t_interp - t_start, "imports": t_imports - t0, "config": t_config - t_imports,
+      "build": t_build - t_config, "first_step": t_first - t_build, "trainer_first_step_s": summary["first_step_s"]}))
+"""
+
+
+def run_cli() -> dict:
+    run_dir = tempfile.mkdtemp(prefix="startup_cli_")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "qwen3_research", *OVERRIDES, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    return {"wall": wall, "build_s": s["build_s"], "first_step_s": s["first_step_s"], "run_wall_s": s["wall_s"]}
+
+
+def run_child() -> dict:
+    env = dict(os.environ, BENCH_T0=repr(time.time()), BENCH_HERE=str(HERE), BENCH_OVERRIDES=json.dumps(OVERRIDES[:-2]))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("BENCH "))
+    return {"wall": wall, **json.loads(line[6:])}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    print(f"# bench_startup: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"# command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
+    print(f"A. python -m qwen3_research {' '.join(OVERRIDES)}")
+    for i in range(args.repeats):
+        r = run_cli()
+        print(f"  repeat {i}: command wall {r['wall']:.2f} s = before launch.run (interpreter, imports, Hydra compose "
+              f"+ preflight) {r['wall'] - r['run_wall_s']:.2f} s + launch.run {r['run_wall_s']:.2f} s "
+              f"[Trainer build {r['build_s']:.2f} s, first step {r['first_step_s']:.2f} s, rest (validate, sinks, "
+              f"summary) {r['run_wall_s'] - r['build_s'] - r['first_step_s']:.2f} s]")
+    print("B. instrumented child (same overrides), phases in seconds")
+    for i in range(args.repeats):
+        r = run_child()
+        print(f"  repeat {i}: interpreter start {r['interpreter']:.2f}, imports {r['imports']:.2f}, config {r['config']:.2f}, "
+              f"build {r['build']:.2f}, first step {r['first_step']:.2f} (Trainer's own first_step_s "
+              f"{r['trainer_first_step_s']:.2f}); total wall {r['wall']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
