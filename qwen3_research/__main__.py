@@ -116,6 +116,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
     from qwen3_research.launch import WorkerGroupError, run
+    from qwen3_research.signals import Interrupted
     from qwen3_research.trainer import TrainingError
 
     hc = HydraConfig.get()
@@ -136,6 +137,9 @@ def _task(cfg: DictConfig):
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")
+        if isinstance(e, Interrupted):
+            print(str(e), file=sys.stderr, flush=True)
+            sys.exit(e.exit_status)
         if isinstance(e, (WorkerGroupError, TrainingError)):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)

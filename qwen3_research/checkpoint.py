@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -79,6 +78,7 @@ def saved_tensor_shapes(path: Path) -> dict[str, tuple]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    check_metadata_pickle(path)
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
@@ -157,20 +157,80 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Small non-tensor state travels as JSON bytes: loading a checkpoint never unpickles our data.
+def _to_json_bytes(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _from_json_bytes(blob: bytes):
+    return json.loads(bytes(blob).decode())
+
+
 def _rng_state() -> bytes:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    np_state = np.random.get_state()
+    state = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return pickle.dumps(state)
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return _to_json_bytes(state)
 
 
 def _set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    state = _from_json_bytes(blob)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+# DCP writes its .metadata with pickle. Before DCP reads it, we unpickle it ourselves with an
+# allow-list of classes (DCP's metadata dataclasses, torch dtypes/sizes, plain containers), so a
+# tampered checkpoint cannot run code on load. Tensors themselves load with weights_only=True.
+_SAFE_TORCH_NAMES = {"Size", "device", "dtype", "layout", "memory_format"}
+_SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict", "bytearray", "int", "float", "str", "bytes", "bool"}
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    if module.startswith("torch.distributed.checkpoint.") or module == "torch.distributed.checkpoint":
+        return True
+    if module == "torch":
+        return name in _SAFE_TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)
+    if module == "torch.serialization":
+        return name == "_get_layout"  # maps "torch.strided" to the layout object
+    if module == "pathlib":
+        return name in ("PosixPath", "PurePosixPath", "Path")  # DCP records the checkpoint_id
+    if module == "collections":
+        return name in ("OrderedDict", "defaultdict")
+    if module == "builtins":
+        return name in _SAFE_BUILTINS
+    return False
+
+
+def check_metadata_pickle(path: Path) -> None:
+    import io
+    import pickle
+
+    class _AllowList(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not _allowed_global(module, name):
+                raise ConfigError(
+                    f"checkpoint {path}: .metadata references {module}.{name}, which a checkpoint never needs; "
+                    "refusing to load it (the directory may have been tampered with)"
+                )
+            return super().find_class(module, name)
+
+    try:
+        _AllowList(io.BytesIO((path / ".metadata").read_bytes())).load()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or garbage pickle
+        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
 
 
 class Checkpointer:
@@ -202,8 +262,8 @@ class Checkpointer:
         return {
             "model": self._model_state(),
             "optim": get_optimizer_state_dict(unwrap(t.backend.model), t.optimizer),
-            "scheduler": pickle.dumps(t.scheduler.state_dict()),
-            "progress": pickle.dumps({"step": t.step}),
+            "scheduler": _to_json_bytes(t.scheduler.state_dict()),
+            "progress": _to_json_bytes({"step": t.step}),
             f"rng_rank{t.rank}": _rng_state(),
         }
 
@@ -220,13 +280,14 @@ class Checkpointer:
         state = self._state()
         if f"rng_rank{t.rank}" not in _metadata_keys(self.resume_from):  # resumed under a different world size: keep this rank's RNG
             state.pop(f"rng_rank{t.rank}")
+        check_metadata_pickle(self.resume_from)
         try:
             dcp.load(state, checkpoint_id=str(self.resume_from))
         except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
             raise ConfigError(f"checkpoint.resume: cannot read {self.resume_from} ({_first_line(e)})") from None
         set_optimizer_state_dict(unwrap(t.backend.model), t.optimizer, state["optim"])
-        t.scheduler.load_state_dict(pickle.loads(state["scheduler"]))
-        t.step = int(pickle.loads(state["progress"])["step"])
+        t.scheduler.load_state_dict(_from_json_bytes(state["scheduler"]))
+        t.step = int(_from_json_bytes(state["progress"])["step"])
         if f"rng_rank{t.rank}" in state:
             _set_rng_state(state[f"rng_rank{t.rank}"])
         self.last_saved = t.step
@@ -248,6 +309,30 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         t0 = time.perf_counter()
+        try:
+            self._write(step, tmp, final)
+        except Exception as e:  # noqa: BLE001 - disk full, permissions, a DCP error on any rank
+            if t.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = list_checkpoints(self.root)
+            from qwen3_research.trainer import TrainingError
+
+            raise TrainingError(
+                f"checkpoint: cannot save step {step} to {self.root} ({_first_line(e)}); "
+                f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
+                "free space or point checkpoint.dir elsewhere, then resume with checkpoint.resume=auto"
+            ) from None
+        if t.is_main:
+            self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
+        _barrier()
+        self.last_saved = step
+        return final
+
+    def _write(self, step: int, tmp: Path, final: Path) -> None:
+        """DCP into tmp, then meta.json last and an atomic rename to final (rank 0)."""
+        import torch.distributed.checkpoint as dcp
+
+        t = self.trainer
         dcp.save(self._state(), checkpoint_id=str(tmp))
         if os.environ.get(KILL_IN_SAVE_ENV) == str(step) and t.is_main:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the data written, before it is published
@@ -269,10 +354,6 @@ class Checkpointer:
             _fsync_dir(self.root)
             shutil.rmtree(old, ignore_errors=True)
             self._prune(step)
-            self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
-        _barrier()
-        self.last_saved = step
-        return final
 
     def _prune(self, step: int) -> None:
         complete = list_checkpoints(self.root)
@@ -294,6 +375,7 @@ class Checkpointer:
 def _metadata_keys(path: Path) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
+    check_metadata_pickle(path)
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import ConfigError, RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.signals import Interrupted
 from qwen3_research.trainer import RunInfo, TrainingError
 
 
@@ -150,10 +151,13 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         else:
             summary = _elastic(resolved, info, rc)
     except BaseException as e:
-        clean = (ConfigError, WorkerGroupError, TrainingError)
+        clean = (ConfigError, WorkerGroupError, TrainingError, Interrupted)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
-        if _writes_run_files():
-            _write_summary(run_path, {"status": "failed", "reason": reason.splitlines()[0] if reason else type(e).__name__,
+        # A config error on a resume must not replace the earlier run's summary.
+        keep_existing = isinstance(e, ConfigError) and (run_path / "summary.json").exists()
+        if _writes_run_files() and not keep_existing:
+            _write_summary(run_path, {"status": "interrupted" if isinstance(e, Interrupted) else "failed",
+                                      "reason": reason.splitlines()[0] if reason else type(e).__name__,
                                       "wall_s": time.perf_counter() - t0})
         if not isinstance(e, (*clean, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)

@@ -29,7 +29,7 @@ class RunInfo:
     run_dir: str
     wandb_group: str | None = None
     wandb_name: str | None = None
-    job_overrides: list = field(default_factory=list)
+    swept: dict = field(default_factory=dict)  # sweep point: overridden key -> value
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -62,6 +62,9 @@ class Trainer:
         )
         self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type, single_process_mesh=facts["is_moe"])
         self.dp_rank, self.dp_size = self._dp_coordinates()
+        from qwen3_research.config import resolve_batch_size
+
+        cfg.data.batch_size = resolve_batch_size(cfg, self.degrees.dp)
 
         # Data.
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
@@ -97,6 +100,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
         self.step = 0
+        self.skipped_steps: list[int] = []  # steps skipped under training.nan_policy=skip
         self.state_bytes: dict | None = None
         self.checkpointer = self._build_checkpointer()
         self.sinks = self._build_sinks(resolved_config)
@@ -133,7 +137,8 @@ class Trainer:
         sinks = [
             ConsoleSink(self.cfg.training.steps, lc.progress_bar, lc.print_config),
             JsonlSink(self.run_dir / "metrics.jsonl", append=resuming),
-            WandbSink(lc.wandb, self.run_dir, self.info.wandb_group, self.info.wandb_name or self.run_dir.name),
+            WandbSink(lc.wandb, self.run_dir, self.info.wandb_group, self.info.wandb_name or self.run_dir.name,
+                      swept=self.info.swept),
         ]
         self._resolved_config = resolved_config
         return Sinks(sinks)
@@ -175,6 +180,7 @@ class Trainer:
                     f"step {step + 1}: non-finite loss={loss_value} or grad_norm={grad_value}; stopped "
                     "(training.nan_policy=stop). Lower optimizer.lr or set training.nan_policy=skip"
                 )
+            self.skipped_steps.append(step + 1)
             return loss_value, grad_value  # skip: no update this step
         self.optimizer.step()
         if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
@@ -233,7 +239,7 @@ class Trainer:
         }
 
     def train(self) -> dict:
-        from qwen3_research.metrics import StepTimer, mfu, tokens_per_second
+        from qwen3_research.metrics import StepTimer
 
         cfg, t = self.cfg, self.cfg.training
         if self.checkpointer is not None:
@@ -246,52 +252,75 @@ class Trainer:
         last: dict = {}
         eval_loss = None
         self.backend.model.train()
+        from qwen3_research.signals import Interrupted, StopOnSignal
+
         try:
-            while self.step < t.steps:
-                self.device.synchronize()
-                t0 = time.perf_counter()
-                lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(self.step)
-                self.device.synchronize()
-                dt = time.perf_counter() - t0
-                timer.add(dt)
-                self.step += 1
-                record = None
-                if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
-                    tps = tokens_per_second(tokens_per_step, dt)
-                    rows = self._memory_rows()
-                    mine = rows[0]
-                    record = {
-                        "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                        "tokens_per_s": tps, "mfu": mfu(self.backend.flops_per_token, tps, peak, self.world_size),
-                        "step_time_s": dt, "tokens": self.step * tokens_per_step,
-                        "mem_current_gib": mine["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
-                        "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
-                    }
-                    if self.step == 1:
-                        record["first_step"] = True
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    eval_loss = self.evaluate()
-                    record = record or {"step": self.step}
-                    record["eval_loss"] = eval_loss
-                if record is not None and self.is_main:
-                    self.sinks.log(record)
-                    last = record
-                if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(self.step)
-        except BaseException:
+            with StopOnSignal(self.world_size, self.device.torch_device) as stop:
+                while self.step < t.steps:
+                    self.device.synchronize()
+                    t0 = time.perf_counter()
+                    lr = self.scheduler.get_last_lr()[0]
+                    loss, grad_norm = self.train_step(self.step)
+                    self.device.synchronize()
+                    dt = time.perf_counter() - t0
+                    timer.add(dt)
+                    self.step += 1
+                    record = None
+                    if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
+                        record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
+                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                        eval_loss = self.evaluate()
+                        record = record or {"step": self.step}
+                        record["eval_loss"] = eval_loss
+                    if record is not None and self.is_main:
+                        self.sinks.log(record)
+                        last = record
+                    if self.checkpointer is not None:
+                        self.checkpointer.maybe_save(self.step)
+                    signum = stop.requested()
+                    if signum and self.step < t.steps:
+                        raise Interrupted(signum, self.step, self._save_now())
+        except BaseException as e:
             if self.is_main:
-                self.sinks.finish({"status": "failed", "step": self.step})
+                status = "interrupted" if isinstance(e, Interrupted) else "failed"
+                self.sinks.finish({"status": status, "step": self.step})
             raise
         if self.checkpointer is not None:
             self.checkpointer.finish()
         summary = {
-            "status": "ok", "steps": self.step, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
+            "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
         if self.is_main:
             self.sinks.finish(summary)
         return summary
+
+    def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
+        from qwen3_research.metrics import mfu, tokens_per_second
+
+        tps = tokens_per_second(tokens_per_step, dt)
+        rows = self._memory_rows()
+        record = {
+            "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            "tokens_per_s": tps, "mfu": mfu(self.backend.flops_per_token, tps, peak, self.world_size),
+            "step_time_s": dt, "tokens": self.step * tokens_per_step,
+            "mem_current_gib": rows[0]["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
+            "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
+        }
+        if self.step == 1:
+            record["first_step"] = True
+        if self.skipped_steps and self.skipped_steps[-1] == self.step:
+            record["skipped"] = True
+        return record
+
+    def _save_now(self) -> str | None:
+        """A checkpoint of the current step (also when periodic checkpoints are off)."""
+        from qwen3_research.checkpoint import Checkpointer
+
+        ck = self.checkpointer or Checkpointer(self)
+        if ck.last_saved == self.step:
+            return str(ck.root / f"step-{self.step:08d}")
+        return str(ck.save(self.step))
 
     def close(self) -> None:
         if torch.distributed.is_initialized():  # also the one-rank group of a single MoE process

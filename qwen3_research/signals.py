@@ -1,0 +1,58 @@
+"""SIGTERM / Ctrl-C: finish the current step, save a checkpoint, close the sinks, exit 128+signal.
+
+A handler only sets a flag; the Trainer checks it between steps, and in a worker group all
+ranks agree on it (an all-reduce) so they stop at the same step and save together.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving; ``exit_status`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint saved"
+        super().__init__(f"interrupted by {name} after step {step}; {where}; continue with checkpoint.resume=auto "
+                         "and the same hydra.run.dir")
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+class StopOnSignal:
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size = world_size
+        self.device = device
+        self.signum = 0
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def requested(self) -> int:
+        """The signal to stop on (0 = go on), the same on every rank."""
+        if self.world_size == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())
