@@ -32,6 +32,9 @@ BASE = [f"training.steps={STEPS}", "data.seq_len=32", "training.eval_every=0", "
         "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 DENSE_TOL = 1e-4
 MOE_TOL = 1e-2  # experts run in bf16 (torchtitan's GroupedExperts)
+# Relative grad-norm tolerance: tight enough to catch a wrong gradient scale on one parameter
+# group (halved expert gradients with ep=2 moved the MoE grad norm by 5e-3; bf16 noise: 1.4e-3).
+GRAD_TOL = {DENSE_TOL: 1e-4, MOE_TOL: 3e-3}
 
 
 def compose_run(overrides: list[str], hydra: bool = False):
@@ -181,7 +184,7 @@ def _check_parity(name: str, ref_dir: Path, got_dir: Path, tol: float) -> None:
           f"largest relative grad-norm difference = {gdiff:.3e}")
     print(f"  single: {[round(x, 6) for x in ref]}\n  {name}: {[round(x, 6) for x in got]}")
     assert diff <= tol
-    assert len(gref) == len(ggot) == STEPS and gdiff <= tol
+    assert len(gref) == len(ggot) == STEPS and gdiff <= GRAD_TOL[tol]
 
 
 def _one_run_dir(cwd: Path) -> Path:
