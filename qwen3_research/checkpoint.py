@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from qwen3_research.config import ConfigError, RunConfig
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -311,14 +313,17 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             self._write(step, tmp, final)
-        except Exception as e:  # noqa: BLE001 - disk full, permissions, a DCP error on any rank
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, permissions, any rank's DCP error
+            free = shutil.disk_usage(self.root).free  # before the partial save is removed
             if t.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = list_checkpoints(self.root)
             from qwen3_research.trainer import TrainingError
 
+            # torch's zip writer reports a full disk as an opaque position mismatch: say what it is.
+            why = f"No space left on device: {free / 2**20:.1f} MiB free" if free < 64 * 2**20 else _first_line(e)
             raise TrainingError(
-                f"checkpoint: cannot save step {step} to {self.root} ({_first_line(e)}); "
+                f"checkpoint: cannot save step {step} to {self.root} ({why}); "
                 f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
                 "free space or point checkpoint.dir elsewhere, then resume with checkpoint.resume=auto"
             ) from None

@@ -67,3 +67,146 @@ def test_trust_remote_code_is_off_by_default():
     from qwen3_research.config import RunConfig
 
     assert RunConfig().model.trust_remote_code is False
+
+
+# -- kill, interrupt, disk full, tampering ---------------------------------------------------------
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, wandb_records
+
+CKPT = ["checkpoint.enable=true", "checkpoint.every=1", "checkpoint.keep=2"]
+
+
+def _uninterrupted(tmp_path, steps: int, extra=()) -> list[float]:
+    run = tmp_path / "straight"
+    assert_ok(run_cli(QUICK + [f"training.steps={steps}", *extra], run_dir=run))
+    return train_losses(run)
+
+
+def _losses_by_step(run_dir) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in read_metrics(run_dir):
+        if r.get("loss") is not None:
+            out[r["step"]] = r["loss"]  # a resumed run appends; the later row for a step wins
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_at_five_random_steps_then_resume_is_exact(tmp_path):
+    steps = 7
+    straight = _uninterrupted(tmp_path, steps)
+    kills = sorted(random.Random(8).sample(range(2, steps + 1), 5))
+    print("kill steps", kills)
+    for k in kills:
+        run = tmp_path / f"kill{k}"
+        proc = run_cli(QUICK + CKPT + [f"training.steps={steps}", f"training.fault=kill@{k}"], run_dir=run)
+        assert proc.returncode == -signal.SIGKILL, (k, proc.returncode, proc.stderr[-1500:])
+        assert (run / "checkpoints" / f"step-{k - 1:08d}").is_dir()
+        proc = run_cli(QUICK + CKPT + [f"training.steps={steps}", "checkpoint.resume=auto"], run_dir=run)
+        assert_ok(proc)
+        assert f"at step {k - 1}" in proc.stdout
+        got = _losses_by_step(run)
+        assert [got[s] for s in range(1, steps + 1)] == straight, (k, got, straight)
+
+
+@pytest.mark.slow
+def test_sigkill_in_a_two_rank_run_then_resume_is_exact(tmp_path):
+    steps, k = 5, 4
+    dp2 = ["parallelism.nproc_per_node=2", "parallelism.dp_shard=2", "data.batch_size=1"]
+    straight = _uninterrupted(tmp_path, steps, dp2)
+    run = tmp_path / "kill"
+    proc = run_cli(QUICK + CKPT + dp2 + [f"training.steps={steps}", f"training.fault=kill@{k}:rank0"], run_dir=run)
+    assert proc.returncode != 0
+    proc = run_cli(QUICK + CKPT + dp2 + [f"training.steps={steps}", "checkpoint.resume=auto"], run_dir=run)
+    assert_ok(proc)
+    got = _losses_by_step(run)
+    assert [got[s] for s in range(1, steps + 1)] == straight
+
+
+@pytest.mark.slow
+def test_sigterm_saves_finishes_wandb_and_resumes_exactly(tmp_path):
+    steps = 8
+    straight = _uninterrupted(tmp_path, steps)
+    run = tmp_path / "term"
+    env = cli_env(WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "qwen3_research", *[a for a in QUICK if not a.startswith("logging.wandb")],
+           f"training.steps={steps}", "logging.wandb.mode=offline", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(train_losses(run) if (run / "metrics.jsonl").exists() else []) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("interrupted by SIGTERM")][0]
+    stopped = int(line.split("after step ")[1].split(";")[0])
+    assert 2 <= stopped < steps
+    assert (run / "checkpoints" / f"step-{stopped:08d}").is_dir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    records = wandb_records(run)
+    assert any(r["type"] == "exit" for r in records), "the W&B run was not finished"
+    proc2 = run_cli([a for a in QUICK if not a.startswith("logging.wandb")] +
+                    [f"training.steps={steps}", "checkpoint.resume=auto", "logging.wandb.mode=disabled"], run_dir=run)
+    assert_ok(proc2)
+    got = _losses_by_step(run)
+    assert [got[s] for s in range(1, steps + 1)] == straight
+
+
+def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
+    run = tmp_path / "r"
+    proc = run_cli(QUICK + CKPT + ["training.steps=5", "training.fault=nan@3"], run_dir=run)
+    assert proc.returncode == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+@pytest.mark.slow
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
+    probe = tmp_path / "probe"
+    assert_ok(run_cli(QUICK + ["training.steps=1", "checkpoint.enable=true"], run_dir=probe))
+    size = sum(p.stat().st_size for p in (probe / "checkpoints").rglob("*") if p.is_file())
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("this machine does not allow mounting a small tmpfs")
+    try:
+        run = tmp_path / "r"
+        proc = run_cli(QUICK + CKPT + ["training.steps=3", f"checkpoint.dir={mnt}"], run_dir=run)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+        assert last.startswith("error: checkpoint: cannot save step 2") and "No space left on device" in last
+        assert f"the last good checkpoint {mnt}/step-00000001 is kept" in last
+        assert sorted(p.name for p in mnt.iterdir()) == ["step-00000001"]  # partial save removed
+        from qwen3_research.checkpoint import is_complete, saved_tensor_shapes
+
+        assert is_complete(mnt / "step-00000001") and saved_tensor_shapes(mnt / "step-00000001")
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_tampered_checkpoint_metadata_is_refused(tmp_path):
+    import pickle
+
+    run = tmp_path / "r"
+    assert_ok(run_cli(QUICK + ["training.steps=1", "checkpoint.enable=true"], run_dir=run))
+    ckpt = run / "checkpoints" / "step-00000001"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    before = (run / "summary.json").read_text()
+    proc = run_cli(QUICK + ["training.steps=2", "checkpoint.enable=true", "checkpoint.resume=auto"], run_dir=run)
+    assert proc.returncode == 2
+    assert "refusing to load it" in proc.stderr and "posix.system" in proc.stderr
+    assert not marker.exists(), "the checkpoint ran code"
+    assert (run / "summary.json").read_text() == before  # the earlier run's record is kept
