@@ -124,7 +124,7 @@ def verify_reload(hf_dir: Path, inputs: torch.Tensor, reference_logits: torch.Te
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="sdpa",
-                                                       output_loading_info=True)
+                                                       output_loading_info=True, use_safetensors=True)
     model.eval()
     logits = model(input_ids=inputs, use_cache=False).logits.float()
     return {

@@ -210,3 +210,20 @@ def test_tampered_checkpoint_metadata_is_refused(tmp_path):
     assert "refusing to load it" in proc.stderr and "posix.system" in proc.stderr
     assert not marker.exists(), "the checkpoint ran code"
     assert (run / "summary.json").read_text() == before  # the earlier run's record is kept
+
+
+def test_hf_backend_refuses_pickled_weights(tmp_path):
+    """A pytorch_model.bin (pickle) is never loaded: only safetensors."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    d = tmp_path / "pickled"
+    d.mkdir()
+    cfg.save_pretrained(d)
+    torch.save(Qwen3ForCausalLM(cfg).state_dict(), d / "pytorch_model.bin")
+    proc = run_cli(QUICK + ["training.steps=1", "model=hf", f"model.path={d}"], run_dir=tmp_path / "r")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith(f"config error: model.path='{d}': cannot load the model"), last

@@ -39,6 +39,7 @@ class HFCausalLM(ModelBackend):
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=config, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa",
                 dtype=torch.float32, output_loading_info=True,
+                use_safetensors=True,  # never unpickle a pytorch_model.bin
             )
         except Exception as e:  # noqa: BLE001 - corrupt/missing safetensors, unsupported architecture, …
             raise ConfigError(f"model.path={cfg.path!r}: cannot load the model ({_one_line(e)})") from None
