@@ -181,3 +181,31 @@ def test_hf_backend_parallel_matches_single_process(hf_dense, tmp_path, layout):
     single, multi = train_losses(tmp_path / "single"), train_losses(tmp_path / "multi")
     print(f"\n[hf {layout}] single {single} vs 2 processes {multi}")
     assert len(multi) == 2 and max(abs(a - b) for a, b in zip(single, multi)) < 1e-5
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_hf_flops_per_token_equals_torchtitans(moe):
+    """The same model in both backends gets the same FLOPs per token, so MFU compares across backends."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qwen3_research import device as devices
+
+    devices.prepare_torchtitan("cpu")
+    from qwen3_research.checkpoint import hf_config_fields
+    from qwen3_research.config import ModelConfig
+    from qwen3_research.models.flavors import get_flavor
+    from qwen3_research.models.hf import hf_flops_per_token
+    from qwen3_research.models.native import NativeQwen3
+
+    backend = "native_moe" if moe else "native"
+    native = NativeQwen3(ModelConfig(backend=backend, flavor="tiny"), torch.device("cpu"), 64, 0)
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    fields = hf_config_fields(get_flavor(backend, "tiny"), moe)
+    text = (Qwen3MoeConfig if moe else Qwen3Config)(**fields)
+    hf = AutoModelForCausalLM.from_config(text)
+    f = get_flavor(backend, "tiny")
+    ours = hf_flops_per_token(hf, text, f.n_heads, f.head_dim, 64)
+    print(f"flops/token native {native.flops_per_token} hf {ours}")
+    assert ours == native.flops_per_token

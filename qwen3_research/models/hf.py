@@ -25,6 +25,22 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def hf_flops_per_token(model: nn.Module, text, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """torchtitan's formula (models/utils.get_moe_model_nparams_and_flops) for an HF model: 6 FLOPs per
+    matmul parameter and token, counting only the active experts and keeping a tied embedding (it is
+    also the lm_head), plus 12·layers·heads·head_dim·seq_len for attention scores."""
+    named = dict(model.named_parameters())  # tied weights appear once
+    total = sum(p.numel() for p in named.values())
+    experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    active_experts = experts * top_k // num_experts if num_experts else experts
+    emb = model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    matmul = total - experts + active_experts - (0 if tied else emb)
+    return int(6 * matmul + 12 * text.num_hidden_layers * n_heads * head_dim * seq_len)
+
+
 class HFCausalLM(ModelBackend):
     def __init__(self, cfg: ModelConfig, device: torch.device, *, seq_len: int, seed: int):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -66,9 +82,7 @@ class HFCausalLM(ModelBackend):
         self.vocab_size = int(text.vocab_size)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.n_heads
-        emb = self.model.get_input_embeddings().weight.numel()
-        # torchtitan's formula: 6 FLOPs per non-embedding parameter and token, plus attention scores.
-        self.flops_per_token = int(6 * (self.num_params - emb) + 12 * text.num_hidden_layers * self.n_heads * head_dim * seq_len)
+        self.flops_per_token = hf_flops_per_token(self.model, text, self.n_heads, head_dim, seq_len)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=inputs, use_cache=False).logits
