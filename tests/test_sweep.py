@@ -98,7 +98,8 @@ def test_sweep_with_an_impossible_point(tmp_path):
     runs = _runs(sweep_dir)
     rows = _check_table_matches_runs(sweep_dir, runs)
     assert rows[0]["status"] == "ok"
-    assert rows[1]["status"].startswith("failed: parallelism.dp_replicate×tp=1×3=3 does not divide the world size 1")
+    assert rows[1]["status"].startswith(
+        "failed: parallelism.dp_replicate×tp=1×3=3 does not divide the world size nproc_per_node×nnodes=1")
     assert "1 ok, 1 failed" in proc.stdout
     assert json.loads((sweep_dir / "sweep.json").read_text())["failed"] == 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -74,10 +75,11 @@ def test_run_dir_layout_and_wandb_history_match_metrics(default_run):
     for r in records:
         if r["type"] != "history":
             continue
-        items = {i.get("nested_key", [i.get("key")])[0] if "nested_key" in i else i["key"]: i["value_json"]
-                 for i in r["history"]["item"]}
+        items = r["history"]["item"]
+        if isinstance(items, list):  # the raw protobuf shape: [{"key"|"nested_key", "value_json"}]
+            items = {"/".join(i.get("nested_key") or [i["key"]]): json.loads(i["value_json"]) for i in items}
         if "train/loss" in items:
-            history[int(float(items["train/step"]))] = float(items["train/loss"])
+            history[int(items["train/step"])] = float(items["train/loss"])
     jsonl = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
     assert history.keys() == jsonl.keys()
     for step, loss in jsonl.items():
@@ -128,3 +130,14 @@ def test_files_source_trains_on_jsonl(tmp_path):
                    run_dir=tmp_path / "r", timeout=300)
     assert_ok(proc)
     assert len(train_losses(tmp_path / "r")) == 3
+
+
+def test_grad_accumulation_matches_the_larger_batch(tmp_path):
+    """2 micro-batches of 1 sequence = 1 batch of 2 sequences (same samples, same mean loss)."""
+    base = [a for a in FAST if not a.startswith(("data.batch_size", "training.steps"))] + ["training.steps=3"]
+    assert_ok(run_cli(base + ["data.batch_size=2"], run_dir=tmp_path / "big"))
+    assert_ok(run_cli(base + ["data.batch_size=1", "training.grad_accum=2"], run_dir=tmp_path / "accum"))
+    big, accum = train_losses(tmp_path / "big"), train_losses(tmp_path / "accum")
+    print("batch 2:", big, "accum 2x1:", accum)
+    assert max(abs(a - b) for a, b in zip(big, accum)) < 1e-5
+    assert read_metrics(tmp_path / "accum")[0]["tokens"] == read_metrics(tmp_path / "big")[0]["tokens"] == 64
