@@ -45,28 +45,34 @@ def _rope_impl(x, cos, sin, transpose: bool):
     return out.to(x.dtype)
 
 
-@torch.library.custom_op(f"{NS}::rope_fast", mutates_args=())
-def rope_fast_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
-    return _rope_impl(x, cos, sin, transpose)
+def define_rope_op(name: str, impl):
+    """A RoPE custom op over ``impl(x, cos, sin, transpose)``, with its fake and its autograd.
+
+    The gradient of a rotation is the inverse rotation: the same op with ``transpose`` flipped.
+    """
+
+    @torch.library.custom_op(f"{NS}::{name}", mutates_args=())
+    def op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+        return impl(x, cos, sin, transpose)
+
+    @op.register_fake
+    def _(x, cos, sin, transpose):
+        return torch.empty_like(x)
+
+    def setup(ctx, inputs, output):
+        _, cos, sin, transpose = inputs
+        ctx.save_for_backward(cos, sin)
+        ctx.transpose = transpose
+
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return op(g.contiguous(), cos, sin, not ctx.transpose), None, None, None
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
 
 
-@rope_fast_op.register_fake
-def _(x, cos, sin, transpose):
-    return torch.empty_like(x)
-
-
-def _setup(ctx, inputs, output):
-    _, cos, sin, transpose = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.transpose = transpose
-
-
-def _backward(ctx, g):
-    cos, sin = ctx.saved_tensors
-    return rope_fast_op(g.contiguous(), cos, sin, not ctx.transpose), None, None, None
-
-
-rope_fast_op.register_autograd(_backward, setup_context=_setup)
+rope_fast_op = define_rope_op("rope_fast", _rope_impl)
 
 
 def rope_fast(x, cos, sin):

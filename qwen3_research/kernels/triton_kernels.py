@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.rope import define_rope_op
 
 NS = "qwen3_research"
 BM, BN, BK = 32, 32, 32
@@ -224,28 +225,7 @@ def _rope_launch(x, cos, sin, transpose):
     return out
 
 
-@torch.library.custom_op(f"{NS}::rope_triton", mutates_args=())
-def rope_triton_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
-    return _rope_launch(x, cos, sin, transpose)
-
-
-@rope_triton_op.register_fake
-def _(x, cos, sin, transpose):
-    return torch.empty_like(x)
-
-
-def _rope_setup(ctx, inputs, output):
-    _, cos, sin, transpose = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.transpose = transpose
-
-
-def _rope_backward(ctx, g):
-    cos, sin = ctx.saved_tensors
-    return rope_triton_op(g, cos, sin, not ctx.transpose), None, None, None
-
-
-rope_triton_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+rope_triton_op = define_rope_op("rope_triton", _rope_launch)
 
 
 def rope_triton(x, cos, sin):
