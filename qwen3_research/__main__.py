@@ -115,9 +115,9 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
-    from qwen3_research.launch import WorkerGroupError, run
+    from qwen3_research.errors import TrainingError, WorkerGroupError
+    from qwen3_research.launch import run
     from qwen3_research.signals import Interrupted
-    from qwen3_research.trainer import TrainingError
 
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()

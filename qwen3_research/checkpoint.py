@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from qwen3_research.config import ConfigError, RunConfig
+from qwen3_research.config import RunConfig
+from qwen3_research.errors import ConfigError, TrainingError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -318,8 +319,6 @@ class Checkpointer:
             if t.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = list_checkpoints(self.root)
-            from qwen3_research.trainer import TrainingError
-
             # torch's zip writer reports a full disk as an opaque position mismatch: say what it is.
             why = f"No space left on device: {free / 2**20:.1f} MiB free" if free < 64 * 2**20 else _first_line(e)
             raise TrainingError(
@@ -505,14 +504,14 @@ def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def load_hf_into_native(backend, hf_dir: str) -> None:
     """Load an HF Qwen3 checkpoint into a NativeQwen3 backend (before or after sharding)."""
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    from qwen3_research import titan
 
     flavor = backend.flavor
     kind = "native_moe" if backend.is_moe else "native"
     name = next((n for n, f in _flavors(kind).items() if f == flavor), "?")
     check_hf_config(hf_dir, kind, name, flavor)
     hf_sd = read_hf_safetensors(hf_dir)
-    adapter = Qwen3StateDictAdapter(backend.model_config, None)
+    adapter = titan.state_dict_adapter(backend.model_config)
     try:
         native = adapter.from_hf(hf_sd)
     except (KeyError, ValueError, AssertionError, RuntimeError) as e:

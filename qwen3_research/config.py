@@ -17,8 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; printed as one line, exit status 2."""
+from qwen3_research.errors import ConfigError  # noqa: F401  (re-exported: config checks raise it)
 
 
 @dataclass

@@ -22,15 +22,13 @@ from pathlib import Path
 
 import torch
 
-from qwen3_research.config import ConfigError
+from qwen3_research.errors import ConfigError, ExportError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json")
 REPORT = "export_verification.json"
 
 
-class ExportError(RuntimeError):
-    """The exported directory does not reload as the trained model; nothing was published."""
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -93,14 +91,14 @@ def copy_tokenizer(tokenizer_json: Path, out: Path) -> list[str]:
 
 
 def write_native(tmp: Path, backend, full_sd: dict, eos_id: int | None, max_shard_size) -> dict:
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    from qwen3_research import titan
 
     notes = []
     bias = [v for k, v in full_sd.items() if k.endswith("expert_bias_E")]
     if bias and max(float(b.abs().max()) for b in bias) > 0:
         notes.append(f"native routing bias expert_bias_E (max |b|={max(float(b.abs().max()) for b in bias):.3g}) "
                      "has no Qwen3-MoE counterpart and is dropped: routing may differ")
-    hf_sd = Qwen3StateDictAdapter(backend.model_config, None).to_hf(full_sd)
+    hf_sd = titan.state_dict_adapter(backend.model_config).to_hf(full_sd)
     hf_config_for_flavor(backend.flavor, backend.is_moe, eos_id).save_pretrained(tmp)
     return {"files": write_safetensors(hf_sd, tmp, max_shard_size), "notes": notes}
 

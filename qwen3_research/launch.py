@@ -17,9 +17,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import ConfigError, RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.errors import ConfigError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted
-from qwen3_research.trainer import RunInfo, TrainingError
+from qwen3_research.trainer import RunInfo
 
 
 def under_torchrun() -> bool:
@@ -122,8 +123,6 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
     return results.get(0) or next(iter(results.values()))
 
 
-class WorkerGroupError(RuntimeError):
-    pass
 
 
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,

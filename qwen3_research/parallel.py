@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from qwen3_research.config import ConfigError, ParallelismConfig
 
@@ -132,20 +131,6 @@ def rdzv_endpoint(p: ParallelismConfig) -> str:
     return p.rdzv_endpoint
 
 
-def torchtitan_parallelism(d: Degrees):
-    """torchtitan's ParallelismConfig for our degrees (the partial_dtensor backend: DTensor on model axes)."""
-    from torchtitan.config import ParallelismConfig as TTParallelism
-
-    return TTParallelism(
-        data_parallel_replicate_degree=d.dp_replicate,
-        data_parallel_shard_degree=d.dp_shard,
-        tensor_parallel_degree=d.tp,
-        enable_sequence_parallel=d.sequence_parallel,
-        expert_parallel_degree=d.ep,
-        spmd_backend="partial_dtensor",
-    )
-
-
 def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bool = False):
     """torchtitan ParallelDims with its mesh built on the current process group.
 
@@ -153,21 +138,11 @@ def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bo
     (MoE: torchtitan's load-balancing optimizer hook asks for the "loss" mesh even at world
     size 1); it then runs on a one-rank process group over an in-memory store.
     """
-    import torch
     import torch.distributed as dist
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as tt_dist
 
-    # torchtitan builds size-1 mesh axes on the "fake" c10d backend, which torch registers
-    # only when this (test-namespace) module is imported.
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    from qwen3_research import titan
 
-    # The model code (MoE token dispatch) reads this global, whose default is spmd_types.
-    tt_dist.set_spmd_backend("partial_dtensor")
-    dims = ParallelDims(
-        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=1, ep=d.ep,
-        world_size=d.world_size, spmd_backend="partial_dtensor",
-    )
+    dims = titan.parallel_dims(d)
     if not d.sharded and single_process_mesh and not dist.is_initialized():
         backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -178,18 +153,11 @@ def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bo
 
 def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compile_cfg, mixed_precision: str, run_dir: str):
     """The torchtitan config objects ``parallelize_qwen3`` reads."""
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from qwen3_research import titan
 
-    ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[activation_checkpoint]
-    param_dtype = "bfloat16" if mixed_precision == "bf16" else "float32"
-    return SimpleNamespace(
-        parallelism=torchtitan_parallelism(d),
-        training=TrainingConfig(mixed_precision_param=param_dtype),
-        # Compile is applied by the Trainer around the whole model, not per block here.
-        compile=CompileConfig(enable=False, backend=compile_cfg.backend or "inductor"),
-        activation_checkpoint=ac,
-        dump_folder=run_dir,
+    return titan.training_configs(
+        d, activation_checkpoint=activation_checkpoint, compile_backend=compile_cfg.backend or "inductor",
+        mixed_precision=mixed_precision, run_dir=run_dir,
     )
 
 

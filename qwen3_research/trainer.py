@@ -18,8 +18,7 @@ from qwen3_research import device as devices
 from qwen3_research.config import RunConfig
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss under nan_policy=stop, …); the message says why."""
+from qwen3_research.errors import TrainingError  # noqa: F401  (re-exported for callers)
 
 
 @dataclass
@@ -192,11 +191,11 @@ class Trainer:
         return loss_value, grad_value
 
     def _clip_grad_norm(self, model) -> torch.Tensor:
-        from torchtitan.distributed.utils import clip_grad_norm_
+        from qwen3_research import titan
 
         max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = clip_grad_norm_(params, max_norm, foreach=True, ep_enabled=self.degrees.ep > 1)
+        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     @torch.no_grad()

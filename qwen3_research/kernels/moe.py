@@ -193,16 +193,9 @@ def make_experts_forward(op, default_options: dict):
         if isinstance(w1, DTensor):  # same as torchtitan: local shards inside the local_map region
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         counts = num_tokens_per_expert_E
-        try:
-            import spmd_types as spmd
-            from torchtitan.distributed.spmd_types import spmd_mesh_size
-            from torchtitan.distributed.utils import get_spmd_backend
+        from qwen3_research import titan
 
-            if get_spmd_backend() == "spmd_types" and spmd.is_type_checking() and spmd_mesh_size("ep") == 1:
-                for axis in ("dp", "cp"):
-                    spmd.mutate_type(counts, axis, src=spmd.P, dst=spmd.V)
-        except ImportError:
-            pass
+        titan.mark_expert_counts_varying(counts)
         opts = {**default_options, **self._kernel_options}
         dt = _DTYPES[opts.pop("dtype", "input")] or x_RD.dtype
         y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)

@@ -28,8 +28,9 @@ class ModelBackend:
 
     def finalize_single(self, tt) -> None:
         """Single-process path (no sharding): activation checkpointing if asked."""
-        if tt.activation_checkpoint is not None:
-            tt.activation_checkpoint.build(dump_folder=tt.dump_folder).apply(self.model)
+        from qwen3_research import titan
+
+        titan.apply_activation_checkpointing(self.model, tt)
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
         """Optional: hooks a backend needs on the optimizer (MoE load balancing)."""

@@ -125,7 +125,8 @@ class HFCausalLM(ModelBackend):
 
     def _apply_tp(self, tp_mesh, layers: nn.ModuleList) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        from torchtitan.distributed.tensor_parallel import NoParallel
+
+        from qwen3_research import titan
 
         if self.model_type not in _TP_DENSE_TYPES or self.num_experts:
             raise ConfigError(
@@ -134,8 +135,8 @@ class HFCausalLM(ModelBackend):
             )
         for layer in layers:
             plan = {
-                "input_layernorm": NoParallel(use_local_output=True),
-                "post_attention_layernorm": NoParallel(use_local_output=True),
+                "input_layernorm": titan.no_parallel(use_local_output=True),
+                "post_attention_layernorm": titan.no_parallel(use_local_output=True),
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
@@ -151,7 +152,7 @@ class HFCausalLM(ModelBackend):
         tied = self.model.get_output_embeddings().weight is self.model.get_input_embeddings().weight
         parallelize_module(self.model, tp_mesh, {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "model.norm": NoParallel(use_local_output=True),
+            "model.norm": titan.no_parallel(use_local_output=True),
             "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
         })
         if tied:  # both are vocab-sharded (Shard(0)); restore the single shared parameter
