@@ -128,7 +128,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
         swept: dict | None = None) -> dict:
     """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import models
+    from qwen3_research import models, titan
     from qwen3_research.parallel import validate_degrees
 
     t0 = time.perf_counter()
@@ -138,6 +138,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         resolved = OmegaConf.to_container(cfg, resolve=True)
         rc = validate(to_run_config(resolved))
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
         resolve_batch_size(rc, degrees.dp)
         if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
             from qwen3_research.checkpoint import preflight

@@ -14,6 +14,7 @@ Import only after ``device.prepare_torchtitan`` (torchtitan reads the device at 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 
@@ -27,9 +28,86 @@ def version() -> str:
         return "not installed"
 
 
+# -- which torchtitan API (feature detection, never the version string) ------------------------
+# torchtitan 0.3.0 builds models from nested ``Config`` objects (``torchtitan.models.common``:
+# CosSinRoPE, Embedding, Linear, ...). Upstream 0.2.2 and AWS's torchtitan-neuron fork built on it
+# (0.2.2+neuron.1) build from a ``Qwen3ModelArgs`` dataclass and parallelize from a ``JobConfig``
+# (github.com/pytorch/torchtitan tag v0.2.2: torchtitan/models/qwen3/__init__.py,
+# infra/parallelize.py). Every function below that differs asks ``legacy()`` which one is here.
+def _module_exists(name: str) -> bool:
+    """Whether torchtitan ships module ``name``, found on disk without executing any torchtitan code.
+
+    (Importing torchtitan before ``device.prepare_torchtitan`` would fix its device type to cuda.)
+    """
+    from importlib.machinery import PathFinder
+
+    path, spec = None, None
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, path)
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    return spec is not None
+
+
+@functools.lru_cache(maxsize=None)
+def legacy() -> bool:
+    """True for the torchtitan 0.2.x API (ModelArgs + JobConfig), False for 0.3.x (Config objects)."""
+    return not _module_exists("torchtitan.models.common")
+
+
+def _needs() -> str:
+    """The middle of a one-line ConfigError: the torchtitan it needs and the one installed here."""
+    return f"needs torchtitan>=0.3.0 (found {version()})"
+
+
+def check_supported(rc) -> None:
+    """Refuse at start-up, in one line, what the installed torchtitan cannot run (launch calls this).
+
+    Measured with upstream 0.2.2 (torch 2.14.0, CPU/gloo): MoE stops in the router's
+    ``torch.histc`` (no CPU kernel for integer counts); TP stops in DTensor, which has no sharding
+    rule for ``aten._scaled_dot_product_flash_attention_for_cpu``. Other limits of the 0.2.x API:
+    TP always shards the sequence (no TP without SP); no FlexAttention through ``model(tokens)``;
+    our kernel overrides replace 0.3.x modules (``CosSinRoPE``, ``GroupedExperts.w1_EFD``).
+    """
+    if rc.model.backend not in ("native", "native_moe") or not legacy():
+        return
+    from qwen3_research.device import resolve_device_type
+    from qwen3_research.errors import ConfigError
+
+    p, device_type = rc.parallelism, resolve_device_type(rc.device.type)
+    if device_type == "cpu" and rc.model.backend == "native_moe":
+        raise ConfigError(
+            f"model=native_moe on CPU {_needs()}: its MoE router counts tokens with torch.histc, which has no "
+            "CPU kernel for integer counts; use model=native, device=cuda/neuron, or install torchtitan==0.3.0"
+        )
+    if device_type == "cpu" and p.tp > 1:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} on CPU {_needs()}: DTensor has no sharding rule for the CPU flash "
+            "attention its TP attention calls; use parallelism.tp=1 (FSDP: parallelism.dp_shard), or torchtitan==0.3.0"
+        )
+    if p.tp > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} with parallelism.sequence_parallel=false {_needs()}: 0.2.x always shards "
+            "the sequence with TP; set parallelism.sequence_parallel=true"
+        )
+    if rc.model.attention == "flex" and device_type == "cuda":
+        raise ConfigError(f"model.attention=flex {_needs()}: 0.2.x takes a BlockMask we do not pass; use model.attention=sdpa")
+    if rc.kernels.entries:
+        raise ConfigError(
+            f"kernels on model={rc.model.backend} {_needs()}: they replace 0.3.x modules "
+            "(CosSinRoPE, GroupedExperts); use kernels=none"
+        )
+
+
 # -- model ------------------------------------------------------------------------------------
 def qwen3_model_config(flavor, attention: str, device_type: str):
-    """torchtitan's Qwen3Model.Config for a flavor, with the attention backend the device can run."""
+    """torchtitan's Qwen3 model config for a flavor, with the attention backend the device can run.
+
+    0.3.x: a ``Qwen3Model.Config``; 0.2.x: a ``Qwen3ModelArgs``.
+    """
+    if legacy():
+        return _qwen3_model_args(flavor, attention, device_type)
     from torchtitan.models import qwen3 as tq
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -67,8 +145,35 @@ def qwen3_model_config(flavor, attention: str, device_type: str):
     return cfg
 
 
+def _qwen3_model_args(flavor, attention: str, device_type: str):
+    """torchtitan 0.2.x: ``Qwen3ModelArgs`` from our flavor (the same fields torchtitan's ``qwen3_args`` set)."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+    # 0.2.x's flex path needs a BlockMask passed into forward; we call model(tokens), so it runs
+    # causal SDPA everywhere (the same math; flex is a CUDA speed option of 0.3.x).
+    moe = {}
+    if flavor.num_experts:
+        # Qwen3-MoE routing, as 0.2.2's own "30B-A3B" flavor: softmax scores, renormalized top-k.
+        moe = dict(moe_enabled=True, moe_inter_dim=flavor.hidden_dim, moe_args=MoEArgs(
+            num_experts=flavor.num_experts, num_shared_experts=0, top_k=flavor.top_k, score_func="softmax",
+            route_norm=True, route_scale=1.0, score_before_experts=False,
+        ))
+    return Qwen3ModelArgs(
+        vocab_size=flavor.vocab_size, max_seq_len=flavor.max_seq_len, head_dim=flavor.head_dim, dim=flavor.dim,
+        n_layers=flavor.n_layers, n_heads=flavor.n_heads, n_kv_heads=flavor.n_kv_heads, qk_norm=True,
+        hidden_dim=flavor.hidden_dim, rope_theta=flavor.rope_theta, enable_weight_tying=flavor.tie_embeddings,
+        attn_type="sdpa", **moe,
+    )
+
+
 def apply_parallelism_plans(model_config, tt_parallelism) -> None:
-    """Fill the TP/SP/EP sharding plans on the config before the modules are built."""
+    """Fill the TP/SP/EP sharding plans on the config before the modules are built.
+
+    0.2.x has no plans on the config: ``parallelize_qwen3`` applies them from the JobConfig.
+    """
+    if legacy():
+        return
     model_config.update_from_config(config=_ParallelismHolder(tt_parallelism))
 
 
@@ -79,14 +184,48 @@ class _ParallelismHolder:
 
 def build_model(model_config):
     """The nn.Module (call under ``torch.device("meta")``)."""
+    if legacy():
+        from torchtitan.models.qwen3 import Qwen3Model
+
+        return Qwen3Model(model_config)
     return model_config.build()
 
 
 def nparams_and_flops(model_config, model, seq_len: int) -> tuple[int, int]:
+    if legacy():
+        return _nparams_and_flops_02(model_config, model, seq_len)
     return model_config.get_nparams_and_flops(model, seq_len)
 
 
+def _nparams_and_flops_02(args, model, seq_len: int) -> tuple[int, int]:
+    """0.3.0's formula (torchtitan/models/utils.py ``get_moe_model_nparams_and_flops``) on a 0.2.x model.
+
+    0.2.2's own version subtracts a tied embedding from the parameter count although
+    ``named_parameters`` lists it once already, and leaves the lm_head matmul out of the FLOPs
+    (tiny: 787,840 params instead of 20,235,648); 0.3.0 corrected both, so both versions report the same.
+    """
+    embedding = router = experts = dense = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if "embedding" in name:
+            embedding += n
+            dense += n
+        elif "moe.router" in name:
+            router += n
+        elif "moe.experts" in name:
+            experts += n
+        else:
+            dense += n  # no shared experts in Qwen3-MoE
+    active = router + (experts * args.moe_args.top_k // args.moe_args.num_experts if args.moe_enabled else 0)
+    matmul = dense + active if args.enable_weight_tying else dense - embedding + active
+    flops = 6 * matmul + 6 * args.n_layers * args.n_heads * 2 * args.head_dim * seq_len
+    return dense + router + experts, flops
+
+
 def init_weights(model, buffer_device) -> None:
+    if legacy():
+        model.init_weights(buffer_device=buffer_device)
+        return
     model.init_states(buffer_device=buffer_device)
 
 
@@ -94,21 +233,116 @@ def parallelize_qwen3(model, parallel_dims, tt) -> None:
     """Shard with torchtitan's Qwen3 plan (FSDP, TP/SP, EP, activation checkpointing)."""
     from torchtitan.models.qwen3 import parallelize_qwen3 as tt_parallelize
 
+    if legacy():
+        _parallelize_qwen3_02(tt_parallelize, model, parallel_dims, tt.job_config)
+        return
     tt_parallelize(
         model, parallel_dims=parallel_dims, training=tt.training, parallelism=tt.parallelism,
         compile_config=tt.compile, ac_config=tt.activation_checkpoint, dump_folder=tt.dump_folder,
     )
 
 
+def _parallelize_qwen3_02(tt_parallelize, model, parallel_dims, job_config) -> None:
+    """0.2.x's ``parallelize_qwen3``, keeping tied embeddings tied (the two fixes 0.3.0 made).
+
+    0.2.2 shards ``tok_embeddings`` and ``[norm, output]`` as two FSDP units, which FSDP2 refuses for
+    one shared weight ("Parameter 'output.weight' is shared with a parameter already managed by
+    another FSDP group", measured with 2 ranks); 0.3.0 (torchtitan/distributed/fsdp.py) puts the three
+    modules in one unit. Its TP step also distributes the two modules' weights one by one, untying
+    them; both are Shard(0) over the vocabulary on the tp mesh, so the output takes the embedding's.
+    Both fixes patch the module-level helpers ``parallelize_qwen3`` calls, for the call only.
+    """
+    import contextlib
+
+    from torchtitan.models.qwen3.infra import parallelize as pq
+
+    tied = getattr(model, "enable_weight_tying", False)
+    if not tied:
+        tt_parallelize(model, parallel_dims, job_config)
+        return
+    tp_orig, fsdp_orig = pq.apply_non_moe_tp, pq.apply_fsdp
+
+    def tp_and_retie(model, *args, **kwargs):
+        tp_orig(model, *args, **kwargs)
+        model.output.weight = model.tok_embeddings.weight
+
+    def fsdp_tied(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload=False,
+                  reshard_after_forward_policy="default", **kwargs):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        extra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+        ends = {"tok_embeddings": model.tok_embeddings, "norm": model.norm, "output": model.output}
+        fully_shard(list(ends.values()), mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
+                    reshard_after_forward=reshard_after_forward_policy == "always", **extra)
+        for name in ends:  # hidden from 0.2.2's own wrapping of the ends (None is what it checks for)
+            setattr(model, name, None)
+        try:
+            fsdp_orig(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload,
+                      reshard_after_forward_policy, **kwargs)
+        finally:
+            for name, module in ends.items():
+                setattr(model, name, module)
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, pq, "apply_non_moe_tp", tp_orig)
+        stack.callback(setattr, pq, "apply_fsdp", fsdp_orig)
+        pq.apply_non_moe_tp, pq.apply_fsdp = tp_and_retie, fsdp_tied
+        tt_parallelize(model, parallel_dims, job_config)
+
+
 def register_moe_load_balancing_hook(optimizer, model, parallel_dims) -> None:
+    if legacy():
+        _register_moe_load_balancing_hook_02(optimizer, model, parallel_dims)
+        return
     from torchtitan.components.optimizer import register_moe_load_balancing_hook as hook
 
     hook(optimizer, [model], parallel_dims)
 
 
+def _register_moe_load_balancing_hook_02(optimizer, model, parallel_dims) -> None:
+    """torchtitan 0.2.x keeps this hook inside ``build_optimizers_with_moe_load_balancing`` (its own
+    optimizer container). The same update, on our optimizer: before each step, move every MoE layer's
+    ``expert_bias`` by ``load_balance_coeff * sign(mean - tokens)`` (centred) from the token counts
+    summed over the loss mesh (v0.2.2 torchtitan/components/optimizer.py ``_update_expert_bias``)."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+    from torch.distributed.tensor import DTensor, Replicate
+
+    blocks = [b for b in model.get_submodule("layers").values() if getattr(b, "moe_enabled", False)]
+    if not blocks or blocks[0].moe.load_balance_coeff is None:
+        return
+
+    def update_expert_bias(*_args, **_kwargs) -> None:
+        counts = []
+        for block in blocks:
+            c = block.moe.tokens_per_expert
+            if getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT:
+                c = c // 2  # full AC counts every token twice (torchtitan's own correction)
+            counts.append(c)
+        by_layer = torch.vstack(counts)
+        loss_mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims is not None else None
+        if loss_mesh is not None:
+            if isinstance(by_layer, DTensor):
+                by_layer = by_layer.redistribute(placements=[Replicate()] * by_layer.device_mesh.ndim)
+            else:
+                torch.distributed.all_reduce(by_layer, group=loss_mesh.get_group(), op=torch.distributed.ReduceOp.SUM)
+        with torch.no_grad():
+            for i, block in enumerate(blocks):
+                moe = block.moe
+                tokens = by_layer[i].float()
+                delta = moe.load_balance_coeff * torch.sign(tokens.mean() - tokens)
+                moe.expert_bias.add_(delta - delta.mean())
+                moe.tokens_per_expert.zero_()
+
+    optimizer.register_step_pre_hook(update_expert_bias)
+
+
 def state_dict_adapter(model_config):
     """torchtitan's Qwen3 HF<->native key mapping (``from_hf`` / ``to_hf`` on on-disk HF keys)."""
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    try:
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    except ImportError:  # 0.2.x: under model/ (same class, same from_hf/to_hf on ModelArgs)
+        from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(model_config, None)
 
@@ -116,6 +350,8 @@ def state_dict_adapter(model_config):
 # -- distributed -------------------------------------------------------------------------------
 def parallelism_config(d):
     """torchtitan's ParallelismConfig for our degrees (the partial_dtensor backend: DTensor on model axes)."""
+    if legacy():
+        return None  # 0.2.x: the degrees travel in the JobConfig of ``training_configs``
     from torchtitan.config import ParallelismConfig as TTParallelism
 
     return TTParallelism(
@@ -136,6 +372,13 @@ def parallel_dims(d):
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as tt_dist
 
+    if not hasattr(tt_dist, "set_spmd_backend"):
+        # 0.2.x: one DTensor backend (what partial_dtensor is in 0.3.x); experts are not
+        # tensor-parallel (etp=1: EP borrows the dp_shard×tp ranks, as with 0.3.x).
+        return ParallelDims(
+            dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=1, ep=d.ep, etp=1,
+            world_size=d.world_size,
+        )
     # The model code (MoE token dispatch) reads this global, whose default is spmd_types.
     tt_dist.set_spmd_backend("partial_dtensor")
     return ParallelDims(
@@ -146,6 +389,8 @@ def parallel_dims(d):
 
 def training_configs(d, *, activation_checkpoint: str, compile_backend: str, mixed_precision: str, run_dir: str):
     """The torchtitan config objects ``parallelize_qwen3`` reads."""
+    if legacy():
+        return _training_configs_02(d, activation_checkpoint, compile_backend, mixed_precision, run_dir)
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
@@ -161,10 +406,40 @@ def training_configs(d, *, activation_checkpoint: str, compile_backend: str, mix
     )
 
 
+def _training_configs_02(d, activation_checkpoint, compile_backend, mixed_precision, run_dir):
+    """torchtitan 0.2.x: one JobConfig carries degrees, AC, compile and precision."""
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.job.dump_folder = run_dir
+    p = job.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = d.dp_replicate, d.dp_shard
+    p.tensor_parallel_degree, p.expert_parallel_degree, p.expert_tensor_parallel_degree = d.tp, d.ep, 1
+    p.disable_loss_parallel = True  # the Trainer's loss takes whole-vocabulary logits, as with 0.3.x
+    # parallelize_qwen3 asserts seq_len % (tp·2·cp) == 0 even without SP; our degrees were validated
+    # against the real seq_len already, so give it a multiple that always passes.
+    job.training.seq_len = 2 * max(d.tp, 1)
+    job.training.mixed_precision_param = "bfloat16" if mixed_precision == "bf16" else "float32"
+    job.compile.enable, job.compile.backend = False, compile_backend  # the Trainer compiles the whole model
+    ac = job.activation_checkpoint
+    ac.mode = activation_checkpoint
+    # 0.3.x's SelectiveAC is per-op: the same policy is 0.2.x's selective_ac_option="op".
+    ac.selective_ac_option = "op"
+    return SimpleNamespace(job_config=job, parallelism=None, activation_checkpoint=ac if activation_checkpoint != "none" else None,
+                           dump_folder=run_dir)
+
+
 def apply_activation_checkpointing(model, tt) -> None:
     """Single-process path: torchtitan's AC wrapper without any sharding."""
-    if tt.activation_checkpoint is not None:
-        tt.activation_checkpoint.build(dump_folder=tt.dump_folder).apply(model)
+    if tt.activation_checkpoint is None:
+        return
+    if legacy():
+        from torchtitan.distributed.activation_checkpoint import apply_ac
+        from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+        apply_ac(model, tt.activation_checkpoint, op_sac_save_list=_op_sac_save_list, base_folder=tt.dump_folder)
+        return
+    tt.activation_checkpoint.build(dump_folder=tt.dump_folder).apply(model)
 
 
 def clip_grad_norm_(params, max_norm: float, *, ep_enabled: bool):
@@ -175,7 +450,10 @@ def clip_grad_norm_(params, max_norm: float, *, ep_enabled: bool):
 
 def no_parallel(**kwargs):
     """torchtitan's NoParallel TP style (a module kept whole, inputs/outputs as DTensors)."""
-    from torchtitan.distributed.tensor_parallel import NoParallel
+    try:
+        from torchtitan.distributed.tensor_parallel import NoParallel
+    except ImportError:  # 0.2.x keeps it in the package root
+        from torchtitan.distributed import NoParallel
 
     return NoParallel(**kwargs)
 
