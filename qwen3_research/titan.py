@@ -337,6 +337,12 @@ def _register_moe_load_balancing_hook_02(optimizer, model, parallel_dims) -> Non
     optimizer.register_step_pre_hook(update_expert_bias)
 
 
+def native_only_buffer(key: str) -> bool:
+    """State-dict keys with no Qwen3 HF counterpart: the MoE routing bias (0.3.x ``expert_bias_E``,
+    0.2.x ``expert_bias``), which stays 0 on HF import and is dropped on export."""
+    return key.endswith(("moe.expert_bias_E", "moe.expert_bias"))
+
+
 def state_dict_adapter(model_config):
     """torchtitan's Qwen3 HF<->native key mapping (``from_hf`` / ``to_hf`` on on-disk HF keys)."""
     try:
@@ -425,8 +431,10 @@ def _training_configs_02(d, activation_checkpoint, compile_backend, mixed_precis
     ac.mode = activation_checkpoint
     # 0.3.x's SelectiveAC is per-op: the same policy is 0.2.x's selective_ac_option="op".
     ac.selective_ac_option = "op"
-    return SimpleNamespace(job_config=job, parallelism=None, activation_checkpoint=ac if activation_checkpoint != "none" else None,
-                           dump_folder=run_dir)
+    return SimpleNamespace(
+        job_config=job, parallelism=None, training=job.training,  # model=hf reads training.mixed_precision_*
+        activation_checkpoint=ac if activation_checkpoint != "none" else None, dump_folder=run_dir,
+    )
 
 
 def apply_activation_checkpointing(model, tt) -> None:

@@ -100,6 +100,43 @@ def test_init_from_logits_match_transformers(tmp_path):
     assert float(theirs.abs().max()) > 1e-2  # the comparison is not between two zero tensors
 
 
+def test_moe_load_balancing_hook_moves_expert_bias():
+    """The optimizer pre-step hook (0.3.0's own, or the adapter's copy of it for 0.2.x): counts
+    [10,0,0,0,0,0,0,6] (mean 2) -> bias += 1e-3·sign(mean - count), centred: -1.5e-3 for the two busy
+    experts, +0.5e-3 for the idle six; the counts are then zeroed. Runs on the meta-built CPU model:
+    no MoE forward (which 0.2.2 cannot run on CPU)."""
+    from qwen3_research.parallel import Degrees, build_parallel_dims
+
+    b = _backend("native_moe", seed=0)
+    dims = build_parallel_dims(Degrees(1, 1, 1, 1, 1, False), "cpu", single_process_mesh=True)
+    opt = torch.optim.SGD(b.model.parameters(), lr=0.0)
+    b.register_optimizer_hooks(opt, dims)
+    bufs = dict(b.model.named_buffers())
+    counts = [k for k in bufs if "tokens_per_expert" in k]
+    biases = [k for k in bufs if "expert_bias" in k]
+    for k in counts:
+        bufs[k].copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))
+    opt.step()
+    want = torch.tensor([-1.5e-3, *[0.5e-3] * 6, -1.5e-3])
+    print(f"\n[torchtitan {titan.version()}] {biases[0]} after one step: {bufs[biases[0]].tolist()}")
+    assert len(counts) == len(biases) == 4  # one per MoE layer of tiny
+    assert all(torch.allclose(bufs[k], want, atol=1e-9) for k in biases)
+    assert all(not bufs[k].any() for k in counts)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
+    """torchtitan's AC wrapper through the adapter (single process): the same 2 losses as without AC."""
+    from tests.test_hf import run_in_process
+
+    base = [o for o in FAST if not o.startswith("training.steps")] + ["training.steps=2"]
+    run_in_process(base, tmp_path / "plain")
+    run_in_process([*base, f"parallelism.activation_checkpoint={mode}"], tmp_path / "ac")
+    plain, ac = train_losses(tmp_path / "plain"), train_losses(tmp_path / "ac")
+    print(f"\n[torchtitan {titan.version()}] AC={mode}: {ac} vs none: {plain}")
+    assert len(ac) == 2 and max(abs(a - b) for a, b in zip(ac, plain)) < 1e-5
+
+
 # -- multi-step runs on 0.2.x (the main suite makes them on 0.3.x) ------------------------------
 
 
@@ -110,7 +147,7 @@ def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
     base = [o for o in FAST if not o.startswith("training.steps")] + [
         "training.steps=6", "checkpoint.enable=true", "checkpoint.every=3"]
     straight, run = tmp_path / "straight", tmp_path / "run"
-    assert_ok(run_cli(base, run_dir=straight))
+    assert_ok(run_cli([*base, "checkpoint.export_hf=true"], run_dir=straight))
     killed = run_cli([*base, "training.fault=kill@4"], run_dir=run)
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run_cli([*base, "checkpoint.resume=auto"], run_dir=run)
@@ -119,6 +156,12 @@ def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
     ref, got = train_losses(straight), train_losses(run)
     print(f"\n[torchtitan {titan.version()}] steps 4-6 straight {ref[3:]}\n                    resumed  {got[3:]}")
     assert len(ref) == 6 and got[-3:] == ref[3:]
+    # The HF export (the adapter's to_hf) loads into transformers with every key in place.
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(straight / "hf", dtype=torch.float32, output_loading_info=True)
+    print(f"export hf/: missing={info['missing_keys']} unexpected={info['unexpected_keys']}")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
 @only_on_legacy("test_parallel.py::test_torchrun_fsdp_parity_memory_and_one_run_dir")
