@@ -102,6 +102,7 @@ MOE_CASES = {
     "random_top2": (8, 512, 64, random_routing(20, 8, 2, torch.Generator().manual_seed(3)), 256, 2),
     "uneven_empty_experts": (4, 512, 128, torch.tensor([0, 290, 0, 10]), 256, 2),
     "fills_capacity_exactly": (4, 1024, 64, torch.tensor([1, 1, 1, 597]), 256, 1),
+    "full_blocks_then_next_expert": (4, 512, 64, torch.tensor([256, 0, 44, 0]), 256, 2),  # block edges exact
     "block512": (8, 512, 64, torch.tensor([100, 0, 37, 300, 0, 0, 63, 100]), 512, 2),
 }
 
