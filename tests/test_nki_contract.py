@@ -256,14 +256,14 @@ def tiny_moe():
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 256, 0).model
 
 
-def _cfg(name, target, flavor="30B-A3B", seq_len=256, mp="bf16", options=None, ep=1):
+def _cfg(name, target, flavor="30B-A3B", seq_len=256, mp="bf16", options=None, ep=1, tp=1):
     cfg = RunConfig()
     cfg.kernels.entries = [KernelEntry(name=name, target=target, options=options or {})]
     cfg.kernels.option = name
     cfg.model.backend, cfg.model.flavor = "native_moe", flavor
     cfg.data.seq_len, cfg.data.batch_size = seq_len, 1
     cfg.training.mixed_precision = mp
-    cfg.parallelism.ep = ep
+    cfg.parallelism.ep, cfg.parallelism.tp = ep, tp
     return cfg
 
 
@@ -291,7 +291,10 @@ def test_every_kernel_constraint_is_a_one_line_startup_error(big_moe, tiny_moe):
         (big_moe, _cfg("nki_moe", EXPERTS, options={"block_size": 128}), NEURON2,
          "kernels=nki_moe: options.block_size=128 is not taken by both NKI Library MoE kernels"),
         (big_moe, _cfg("nki_moe", EXPERTS, ep=2), NEURON2, "kernels=nki_moe: needs parallelism.ep=1"),
+        (big_moe, _cfg("nki_moe", EXPERTS, tp=8), NEURON2,  # 768 / 8 = 96 per rank: 96 / LNC=2 = 48, not % 32
+         "kernels=nki_moe: expert width I_TP=96 (per tensor-parallel rank, parallelism.tp=8) must be a multiple of 16"),
     ]
+    assert len(cases) == 8
     for model, cfg, device, expected in cases:
         msg = _one_line_error(model, cfg, device)
         print(msg)

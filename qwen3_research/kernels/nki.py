@@ -320,14 +320,19 @@ def _verify_rope(module, shapes, device, options):
     return verify_rope(module, shapes, device, lambda x, c, s: pair(x, x, c, s)[0])
 
 
-def _local_shape(t) -> tuple[int, ...]:
-    return tuple((t.to_local() if hasattr(t, "to_local") else t).shape)
+def _local_expert_shape(w1, tp: int) -> tuple[int, int, int]:
+    """(E, I_TP, H) one rank's kernel sees: the registry runs before sharding, and torchtitan's TP plan
+    shards the experts' hidden width I (w1/w3 dim 1)."""
+    if hasattr(w1, "to_local"):
+        return tuple(w1.to_local().shape)
+    E, I, H = w1.shape
+    return E, I // max(tp, 1), H
 
 
 def _moe_check(module, options, cfg, device, where):
     """The NKI Library MoE kernels' constraints for this module (local shapes) and run."""
     lnc = _lnc(device)
-    E, I, H = _local_shape(module.w1_EFD)
+    E, I, H = _local_expert_shape(module.w1_EFD, cfg.parallelism.tp)
     B = options.get("block_size", DEFAULT_BLOCK_SIZE)
     errors, warns = [], []
     if options.get("dtype", "bfloat16") not in ("input", "bfloat16"):
@@ -343,7 +348,7 @@ def _moe_check(module, options, cfg, device, where):
         errors.append(f"{where}: hidden width H={H} (model.flavor={cfg.model.flavor}) is outside moe_cte's range "
                       "(512 <= H <= 8192, a multiple of 512); use a flavor with dim >= 512 (e.g. 30B-A3B) or kernels=none")
     if I % 16 or I % lnc or (I // lnc) % 32:
-        errors.append(f"{where}: expert width I_TP={I} (per tensor-parallel rank) must be a multiple of 16 (moe_cte) "
+        errors.append(f"{where}: expert width I_TP={I} (per tensor-parallel rank, parallelism.tp={cfg.parallelism.tp}) must be a multiple of 16 (moe_cte) "
                       f"with I_TP/LNC a multiple of 32 (blockwise_mm_bwd DMA transpose); LNC={lnc}")
     if H % lnc or (H // lnc) % 32:
         errors.append(f"{where}: hidden width H={H} must give H/LNC a multiple of 32 (blockwise_mm_bwd); LNC={lnc}")

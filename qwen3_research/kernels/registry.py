@@ -9,8 +9,9 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
   (wrong class) is never matched, so a broad pattern only picks the kernel's own module type;
 * two entries claiming one module -> ``ConfigError`` naming both entries and the module;
 * an entry that matches nothing -> a warning naming the entry and its pattern;
-* unmet requirements (device type, dtype, sequence-length multiple, LNC) -> one ``ConfigError``
-  listing each with what to change;
+* unmet requirements (device type, dtype, sequence-length multiple, LNC, and the kernel's own
+  ``Requirements.check``, e.g. the NKI Library kernels' shape/dtype constraints, once the device
+  fits) -> one one-line ``ConfigError`` listing each with what to change;
 * each matched module's class is swapped for the kernel's subclass (parameters, buffers,
   state-dict keys unchanged), so FSDP2, tensor parallel and checkpoints see the same module.
 """
