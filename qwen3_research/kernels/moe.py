@@ -205,7 +205,7 @@ def make_experts_forward(op, default_options: dict):
 
 
 def install_experts(kernel: str, op, default_options: dict):
-    def install(module, options: dict) -> None:
+    def install(module, options: dict, device=None) -> None:
         unknown = set(options) - set(default_options) - {"dtype"}
         if unknown:
             from qwen3_research.config import ConfigError
@@ -216,7 +216,7 @@ def install_experts(kernel: str, op, default_options: dict):
 
             raise ConfigError(f"kernel {kernel}: options.dtype must be one of {list(_DTYPES)}, got {options['dtype']!r}")
         base = type(module)
-        key = (kernel, base)
+        key = (kernel, base, op)
         if key not in _CLASS_CACHE:
             _CLASS_CACHE[key] = type(
                 f"{base.__name__}_{kernel}", (base,),

@@ -9,8 +9,9 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
   (wrong class) is never matched, so a broad pattern only picks the kernel's own module type;
 * two entries claiming one module -> ``ConfigError`` naming both entries and the module;
 * an entry that matches nothing -> a warning naming the entry and its pattern;
-* unmet requirements (device type, dtype, sequence-length multiple, LNC) -> one ``ConfigError``
-  listing each with what to change;
+* unmet requirements (device type, dtype, sequence-length multiple, LNC, and the kernel's own
+  ``Requirements.check``, e.g. the NKI Library kernels' shape/dtype constraints, once the device
+  fits) -> one one-line ``ConfigError`` listing each with what to change;
 * each matched module's class is swapped for the kernel's subclass (parameters, buffers,
   state-dict keys unchanged), so FSDP2, tensor parallel and checkpoints see the same module.
 """
@@ -44,6 +45,9 @@ class Requirements:
     lncs: tuple[int, ...] | None = None  # allowed logical-core configs (neuron)
     env: dict[str, str] = field(default_factory=dict)  # device -> env var that must be "1" there
     fix: str = ""  # what to use instead when the device does not fit
+    # Kernel-specific start-up checks, run on the first matched module once the device type fits:
+    # (module, entry options, cfg, device, where) -> (errors, warnings); each a one-line message.
+    check: Callable[..., tuple[list[str], list[str]]] | None = None
 
 
 @dataclass
@@ -53,10 +57,13 @@ class KernelSpec:
     name: str
     description: str
     module_types: tuple[str, ...]  # class names it can replace
-    install: Callable[[nn.Module, dict], None]  # swaps the module's class / sets options
+    install: Callable[..., None]  # (module, options, device) -> None: swaps the module's class / sets options
     requirements: Requirements
-    verify: Callable[..., list] | None = None  # (module, shapes, device, options) -> list[Check]
-    tolerance: float = 1e-5  # max relative error vs the float32 reference (fwd and bwd)
+    # (module, shapes, device, options) -> [(shapes, fwd_abs, fwd_rel, bwd_abs, bwd_rel, compute dtype name)]
+    verify: Callable[..., list] | None = None
+    # Max relative error vs the float32 reference (fwd and bwd) per compute dtype; verify_kernels reads
+    # exactly this (a dtype missing here fails the check).
+    tolerance: dict[str, float] = field(default_factory=lambda: {"float32": 1e-5, "bfloat16": 2e-2})
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -170,6 +177,12 @@ def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> l
         out.append(
             f"{where} needs LNC in {list(req.lncs)} (NEURON_LOGICAL_NC_CONFIG or device.lnc); got {lnc}"
         )
+    if req.check is not None and device.type in req.devices:
+        errors, warns = req.check(modules[matched[0]], dict(entry.options or {}), cfg, device, where)
+        out += errors
+        for msg in warns:
+            warnings.warn(msg, KernelMatchWarning, stacklevel=3)
+            log.warning(msg)
     if req.seq_multiple is not None:
         m = req.seq_multiple(lnc or 1)
         seq = cfg.data.seq_len
@@ -200,7 +213,7 @@ def apply_overrides(model: nn.Module, cfg, device) -> dict[str, list[str]]:
     for label, entry in entry_labels(cfg.kernels.entries):
         spec = KERNELS[entry.name]
         for fqn in plan.get(label, []):
-            spec.install(mods[fqn], dict(entry.options or {}))
+            spec.install(mods[fqn], dict(entry.options or {}), device)
     text = format_plan(plan, cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(text, flush=True)

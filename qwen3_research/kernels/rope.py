@@ -83,8 +83,12 @@ def rope_fast(x, cos, sin):
 _CLASS_CACHE: dict = {}
 
 
-def make_rope_forward(apply):
-    """A CosSinRoPE.forward that applies ``apply(x, cos, sin)`` to query and key."""
+def make_rope_forward(apply, pair: bool = False):
+    """A CosSinRoPE.forward that applies ``apply(x, cos, sin)`` to query and key, or with ``pair``
+    ``apply(query, key, cos, sin) -> (q, k)`` once for both (kernels that rotate q and k in one launch)."""
+
+    def both(q, k, cos, sin):
+        return apply(q, k, cos, sin) if pair else (apply(q, cos, sin), apply(k, cos, sin))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor | None = None):
         from torch.distributed.tensor import DTensor, Shard
@@ -99,28 +103,27 @@ def make_rope_forward(apply):
             for p in (*query.placements, *key.placements):
                 if isinstance(p, Shard) and p.dim in (1, 3):
                     raise RuntimeError(f"{type(self).__name__}: q/k sharded on dim {p.dim} is not supported")
-            q_out = apply(query.to_local(), cos, sin)
-            k_out = apply(key.to_local(), cos, sin)
+            q_out, k_out = both(query.to_local(), key.to_local(), cos, sin)
             return (
                 DTensor.from_local(q_out, query.device_mesh, query.placements, run_check=False),
                 DTensor.from_local(k_out, key.device_mesh, key.placements, run_check=False),
             )
-        return apply(query, cos, sin), apply(key, cos, sin)
+        return both(query, key, cos, sin)
 
     return forward
 
 
-def install_rope(kernel: str, apply):
-    def install(module, options: dict) -> None:
+def install_rope(kernel: str, apply, pair: bool = False):
+    def install(module, options: dict, device=None) -> None:
         if options:
             from qwen3_research.config import ConfigError
 
             raise ConfigError(f"kernel {kernel} takes no options; got {sorted(options)}")
         base = type(module)
-        key = (kernel, base)
+        key = (kernel, base, apply)
         if key not in _CLASS_CACHE:
             _CLASS_CACHE[key] = type(
-                f"{base.__name__}_{kernel}", (base,), {"forward": make_rope_forward(apply), "kernel_name": kernel}
+                f"{base.__name__}_{kernel}", (base,), {"forward": make_rope_forward(apply, pair), "kernel_name": kernel}
             )
         module.__class__ = _CLASS_CACHE[key]
         module._kernel_options = {}
