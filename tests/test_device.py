@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,6 +64,26 @@ def test_nproc_auto_is_one_on_cpu_and_logical_cores_on_neuron(monkeypatch):
     monkeypatch.setattr(devices, "neuron_logical_core_count", lambda lnc: {1: 128, 2: 64}[lnc])
     assert devices.resolve_nproc_per_node(-1, "neuron", 2) == 64
     assert devices.resolve_nproc_per_node(-1, "neuron", 1) == 128
+
+
+def test_logical_core_count_asks_torch_neuronx_at_the_lnc(tmp_path, monkeypatch):
+    """The count comes from torch_neuronx.device_count() in a child process started with the LNC in
+    its environment. Here torch_neuronx is a test double package whose device_count() answers as a
+    trn2.48xlarge would: 128 logical cores at LNC=1, 64 at LNC=2."""
+    pkg = tmp_path / "double" / "torch_neuronx"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "# test double of torch_neuronx (device_count only)\n"
+        "import os\n"
+        "def device_count():\n"
+        "    return {'1': 128, '2': 64}[os.environ['NEURON_LOGICAL_NC_CONFIG']]\n")
+    monkeypatch.setenv("PYTHONPATH", f"{pkg.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    devices.neuron_logical_core_count.cache_clear()
+    try:
+        assert devices.neuron_logical_core_count(2) == 64
+        assert devices.neuron_logical_core_count(1) == 128
+    finally:
+        devices.neuron_logical_core_count.cache_clear()
 
 
 # -- Neuron facts through a test double of torch.neuron -------------------------------------------
