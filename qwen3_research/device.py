@@ -121,6 +121,15 @@ def resolve_nproc_per_node(requested: int, device_type: str, lnc: int | None) ->
     return 1
 
 
+def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
+    """``nproc_per_node=-1`` where the run's device is not known: the launcher's world size if given,
+    else every device of this host (its default device type, LNC from the environment)."""
+    if world_size is not None:
+        return max(1, world_size // max(1, nnodes))
+    kind = requested_device_kind("auto")
+    return resolve_nproc_per_node(-1, kind, resolve_lnc(None, kind))
+
+
 def prepare_launch(rc, resolved: dict | None = None) -> int | None:
     """Before any worker (or runtime) starts: resolve and export the LNC, and resolve
     ``nproc_per_node=-1`` in ``rc`` (and in ``resolved``, the dict workers receive). Returns the LNC."""

@@ -303,11 +303,10 @@ class Trainer:
         summary = {
             "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
-            "device_facts": self.device_facts,
         }
         if self.is_main:
             self.sinks.finish(summary)
-        return summary
+        return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
         from qwen3_research.metrics import mfu, tokens_per_second
