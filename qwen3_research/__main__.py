@@ -80,6 +80,9 @@ def preflight(overrides: list[str]) -> None:
         _die(format_compose_error(e))
     try:
         rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
+        from qwen3_research.device import prepare_launch
+
+        prepare_launch(rc)  # LNC conflicts, nproc_per_node=-1 (auto)
         # Under torchrun, also check the degrees against the world size it started.
         world = int(os.environ["WORLD_SIZE"]) if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ else None
         validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))

@@ -32,7 +32,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelismConfig:
-    nproc_per_node: int = 1
+    nproc_per_node: int = -1  # -1 (auto): every device of the host (logical NeuronCores at the LNC, GPUs; 1 on cpu)
     nnodes: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
@@ -97,7 +97,7 @@ class DataConfig:
 @dataclass
 class DeviceConfig:
     type: str = "auto"  # auto | cpu | cuda | neuron
-    lnc: Optional[int] = None  # neuron: logical NeuronCore config; None = NEURON_LOGICAL_NC_CONFIG or 2
+    lnc: Optional[int] = None  # neuron: logical NeuronCore config 1|2, exported to every worker; None = NEURON_LOGICAL_NC_CONFIG or 2
 
 
 @dataclass
@@ -243,7 +243,9 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
             raise ConfigError(f"model.flavor={m.flavor!r} is not a {m.backend} flavor; choose one of {known}")
 
     p = cfg.parallelism
-    for key in ("nproc_per_node", "nnodes", "dp_replicate", "tp", "ep"):
+    if p.nproc_per_node == 0 or p.nproc_per_node < -1:
+        raise ConfigError(f"parallelism.nproc_per_node must be -1 (auto: every device of the host) or >= 1, got {p.nproc_per_node}")
+    for key in ("nnodes", "dp_replicate", "tp", "ep"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
     if p.dp_shard == 0 or p.dp_shard < -1:

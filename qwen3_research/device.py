@@ -7,10 +7,13 @@ Neuron modules (``torch_neuronx``) are imported only on the neuron path.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +22,125 @@ import torch
 
 from qwen3_research.config import ConfigError
 
-# Dense bf16 peak per device, from vendor datasheets (same figures torchtitan uses for MFU).
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-# One Trainium2 NeuronCore: 79 bf16 TFLOP/s; a logical core groups LNC physical ones.
-TRN2_CORE_PEAK_BF16 = 79e12
+# -- peak FLOP/s per rank ------------------------------------------------------------------
+# GPUs: the dense bf16 peak comes from torchtitan's own table (``titan.gpu_peak_flops``, which
+# tells H100 SXM / PCIe / NVL apart). Plain fp32 matmuls do not run on the tensor cores unless
+# TF32 is enabled (torch.backends.cuda.matmul.allow_tf32 / torch.set_float32_matmul_precision),
+# so an fp32 run is measured against the fp32 (CUDA-core) peak, keyed by the bf16 peak the table
+# returned. NVIDIA datasheets (dense, no sparsity): A100 19.5, H100 SXM / H200 67, H100 PCIe 51,
+# H100 NVL 60, L40S 91.6, RTX A6000 38.7 TFLOP/s fp32. Dense TF32 is half the dense bf16 figure.
+GPU_FP32_BY_BF16_PEAK = {312e12: 19.5e12, 989e12: 67e12, 756e12: 51e12, 835e12: 60e12, 362e12: 91.6e12,
+                         154.85e12: 38.7e12}
+# Trainium2, per physical NeuronCore-v3. bf16: AWS's torchtitan changes for Qwen3 report 157e12 per
+# LNC=2 rank (parmoham-aws/test-repo-parmoham, docs/torchtitan/qwen3/TorchTitan.diff, get_peak_flops),
+# i.e. 78.5e12 per physical core; the architecture page gives 79 BF16 TFLOPS per core
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/neuron-core-v3.html).
+# fp32: 181 FP32 TFLOPS per 8-core chip (.../arch/neuron-hardware/trainium2.html) = 22.625e12 per core.
+TRN2_CORE_PEAK = {"bf16": 157e12 / 2, "fp32": 181e12 / 8}
+
+# -- logical NeuronCores (LNC) ---------------------------------------------------------------
+# The Neuron runtime reads the LNC only from this variable, once, when it starts
+# (torch_neuronx/csrc/core/utils/PlatformUtils.cpp: GetLogicalNeuronCores, in
+# parmoham-aws/test-repo-parmoham); trn2/trn3 default to 2 there.
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+LNC_DEFAULT_NEURON = 2
+
+
+def resolve_lnc(configured: int | None, device_type: str, env=None) -> int | None:
+    """The LNC this run uses: ``device.lnc`` or ``NEURON_LOGICAL_NC_CONFIG``; both set and different
+    is a ConfigError. None off neuron when neither is set (nothing to export)."""
+    env = os.environ if env is None else env
+    raw = env.get(LNC_ENV, "").strip()
+    from_env = None
+    if raw:
+        if raw not in ("1", "2"):
+            raise ConfigError(f"{LNC_ENV}={raw!r} in the environment is not 1 or 2; unset it or set it to 1 or 2")
+        from_env = int(raw)
+    if configured is not None and configured not in (1, 2):
+        raise ConfigError(f"device.lnc must be 1 or 2 (logical NeuronCore config), got {configured}")
+    if configured is not None and from_env is not None and configured != from_env:
+        raise ConfigError(
+            f"device.lnc={configured} conflicts with {LNC_ENV}={raw} in the environment (the Neuron runtime "
+            f"reads only the variable); unset {LNC_ENV} or pass device.lnc={from_env}"
+        )
+    lnc = configured if configured is not None else from_env
+    if lnc is None and device_type == "neuron":
+        lnc = LNC_DEFAULT_NEURON
+    return lnc
+
+
+def export_lnc(lnc: int | None) -> None:
+    """Put the LNC in this process's environment, which every worker inherits (before any runtime starts)."""
+    if lnc is not None:
+        os.environ[LNC_ENV] = str(lnc)
+
+
+def requested_device_kind(requested: str) -> str:
+    """The device type a run would use, without importing TorchNeuron (safe in the launching parent)."""
+    import importlib.util
+
+    if requested != "auto":
+        return requested
+    if importlib.util.find_spec("torch_neuronx") is not None:
+        return "neuron"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def neuron_logical_core_count(lnc: int) -> int:
+    """Logical NeuronCores this host has at ``lnc``: ``torch_neuronx.device_count()`` (the runtime's
+    visible-VNC count, torch_neuronx/csrc/core/NeuronDevice.cpp) asked in a child process, so the
+    launching parent never starts a Neuron runtime itself."""
+    code = "import torch_neuronx; print(torch_neuronx.device_count())"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, LNC_ENV: str(lnc)},
+                          capture_output=True, text=True, timeout=600)
+    try:
+        count = int(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        count = 0
+    if proc.returncode != 0 or count < 1:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(
+            f"parallelism.nproc_per_node=-1 (auto) could not count the logical NeuronCores at LNC={lnc} "
+            f"({tail}); set parallelism.nproc_per_node=N"
+        )
+    return count
+
+
+def resolve_nproc_per_node(requested: int, device_type: str, lnc: int | None) -> int:
+    """``-1`` (auto, the default) = every device of this host: the logical NeuronCores at the LNC on
+    neuron, the visible GPUs on cuda, 1 on cpu. Under torchrun, the processes torchrun started."""
+    if requested != -1:
+        return requested
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if device_type == "neuron":
+        return neuron_logical_core_count(lnc or LNC_DEFAULT_NEURON)
+    if device_type == "cuda":
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
+    """``nproc_per_node=-1`` where the run's device is not known: the launcher's world size if given,
+    else every device of this host (its default device type, LNC from the environment)."""
+    if world_size is not None:
+        return max(1, world_size // max(1, nnodes))
+    kind = requested_device_kind("auto")
+    return resolve_nproc_per_node(-1, kind, resolve_lnc(None, kind))
+
+
+def prepare_launch(rc, resolved: dict | None = None) -> int | None:
+    """Before any worker (or runtime) starts: resolve and export the LNC, and resolve
+    ``nproc_per_node=-1`` in ``rc`` (and in ``resolved``, the dict workers receive). Returns the LNC."""
+    kind = requested_device_kind(rc.device.type)
+    lnc = resolve_lnc(rc.device.lnc, kind)
+    export_lnc(lnc)
+    n = resolve_nproc_per_node(rc.parallelism.nproc_per_node, kind, lnc)
+    rc.parallelism.nproc_per_node = n
+    if resolved is not None:
+        resolved["parallelism"]["nproc_per_node"] = n
+    return lnc
 
 
 def neuron_available() -> bool:
@@ -73,6 +191,29 @@ class MemoryStats:
         return 100.0 * self.peak_gib / self.capacity_gib if self.capacity_gib else 0.0
 
 
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on cuda may use TF32 tensor cores (off in PyTorch by default; this
+    project never turns it on, so an fp32 run's MFU is over the fp32 peak unless the user does)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def _torch_device(device_type: str, index: int) -> torch.device:
+    """The torch.device of a rank ("neuron" exists once torch_neuronx has registered it)."""
+    return torch.device(device_type, index)
+
+
+def _read_vm_hwm() -> int | None:
+    """This process's peak resident set (VmHWM, bytes); resettable through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Device:
     """Facts and actions for one process's device."""
 
@@ -83,15 +224,20 @@ class Device:
             torch.cuda.set_device(local_rank)
             self.torch_device = torch.device("cuda", local_rank)
         elif device_type == "neuron":
-            self.torch_device = torch.device("neuron", local_rank)
+            self.torch_device = _torch_device("neuron", local_rank)
         else:
             self.torch_device = torch.device("cpu")
-        self.lnc = lnc or int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+        # Off neuron the LNC only matters to kernel requirement checks; keep the trn2 default there.
+        self.lnc = resolve_lnc(lnc, device_type) or LNC_DEFAULT_NEURON
         self._peak: dict[str, float] = {}
-        # CPU peak memory comes from ru_maxrss, a whole-process figure; remember where it stood so
-        # a second run in the same process (a multirun point) does not inherit the first's peak.
+        self._capacity: int | None = None
+        # CPU peak memory: VmHWM, reset per run through /proc/self/clear_refs (Linux >= 4.0). Where
+        # that is refused, ru_maxrss, a whole-process figure: remember where it stood so a second run
+        # in the same process (a multirun point) does not inherit the first's peak.
+        self._hwm_resettable = False
         self._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self._sampled_peak = 0
+        self.peak_reset = "never"  # how this run's peak was last reset: cuda | neuron | VmHWM | ru_maxrss baseline
 
     # -- distributed ------------------------------------------------------------------
     @property
@@ -111,58 +257,112 @@ class Device:
         if self.type == "cuda":
             torch.cuda.synchronize(self.torch_device)
         elif self.type == "neuron":
-            torch.neuron.synchronize()
+            torch.neuron.synchronize(self.local_rank)
 
     def reset_peak_memory(self) -> None:
+        """Start this run's peak-memory counter (call at the start of every run: the device
+        counters are process-wide, and a sweep runs several points in one process)."""
         if self.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.torch_device)
+            self.peak_reset = "cuda"
         elif self.type == "neuron":
-            torch.neuron.reset_peak_memory_stats()
+            # torch_neuronx/memory.py: reset_peak_memory_stats(device: int | torch.device | None)
+            torch.neuron.reset_peak_memory_stats(self.local_rank)
+            self.peak_reset = "neuron"
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+                self._hwm_resettable = _read_vm_hwm() is not None
+            except OSError:
+                self._hwm_resettable = False
+            self._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self._sampled_peak = 0
+            self.peak_reset = "VmHWM" if self._hwm_resettable else "ru_maxrss baseline"
+
+    def capacity_bytes(self) -> int:
+        """Memory one rank can use: HBM of this rank's (logical) core / GPU, host RAM on cpu."""
+        if self._capacity is None:
+            if self.type == "cuda":
+                self._capacity = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
+            elif self.type == "neuron":
+                # torch_neuronx/__init__.py: get_device_properties(device).total_memory, bytes of the
+                # logical core's HBM (~24 GiB at LNC=2 on trn2: 96 GiB per 8-core chip). The index is
+                # the rank's PyTorch device index (= local rank; NeuronDevice.cpp get_vnc_id).
+                self._capacity = int(torch.neuron.get_device_properties(self.local_rank).total_memory)
+            else:
+                import psutil
+
+                self._capacity = int(psutil.virtual_memory().total)
+        return self._capacity
 
     def memory(self) -> MemoryStats:
         """HBM on cuda/neuron; resident process memory (current, peak) and host RAM on cpu."""
         gib = 1024**3
         if self.type == "cuda":
-            props = torch.cuda.get_device_properties(self.torch_device)
             return MemoryStats(
                 torch.cuda.memory_allocated(self.torch_device) / gib,
                 torch.cuda.max_memory_allocated(self.torch_device) / gib,
-                props.total_memory / gib,
+                self.capacity_bytes() / gib,
             )
         if self.type == "neuron":
-            torch.neuron.synchronize()
-            stats = torch.neuron.memory_stats()
-            capacity = stats.get("total_bytes", 0) or 24 * gib * self.lnc  # trn2: 24 GiB HBM per physical core
+            self.synchronize()  # the counters change only once queued work has run
             return MemoryStats(
-                torch.neuron.memory_allocated() / gib, torch.neuron.max_memory_allocated() / gib, capacity / gib
+                torch.neuron.memory_allocated(self.local_rank) / gib,
+                torch.neuron.max_memory_allocated(self.local_rank) / gib,
+                self.capacity_bytes() / gib,
             )
         import psutil
 
         rss = psutil.Process().memory_info().rss
         self._sampled_peak = max(self._sampled_peak, rss)
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        # A new process-wide peak was set during this run: it is this run's. Otherwise this run
-        # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
-        peak = maxrss if maxrss > self._maxrss_at_start else self._sampled_peak
-        return MemoryStats(rss / gib, max(peak, rss) / gib, psutil.virtual_memory().total / gib)
+        hwm = _read_vm_hwm() if self._hwm_resettable else None
+        if hwm is not None:
+            peak = hwm
+        else:
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+            # A new process-wide peak was set during this run: it is this run's. Otherwise this run
+            # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
+            peak = maxrss if maxrss > self._maxrss_at_start else self._sampled_peak
+        return MemoryStats(rss / gib, max(peak, rss) / gib, self.capacity_bytes() / gib)
 
     # -- peak FLOP/s for MFU -----------------------------------------------------------
     def peak_flops(self, dtype: torch.dtype = torch.float32) -> float:
-        key = str(dtype)
+        """Dense peak FLOP/s of one rank for matmuls in ``dtype`` (the dtype the run computes in)."""
+        key = self.peak_dtype(dtype)
         if key not in self._peak:
-            self._peak[key] = self._lookup_peak(dtype)
+            self._peak[key] = self._lookup_peak(dtype, key)
         return self._peak[key]
 
-    def _lookup_peak(self, dtype: torch.dtype) -> float:
+    def peak_dtype(self, dtype: torch.dtype) -> str:
+        """Which peak an MFU over ``dtype`` uses: bf16, fp32, or tf32 (fp32 with TF32 enabled on cuda)."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return "bf16"
+        if self.type == "cuda" and tf32_enabled():
+            return "tf32"
+        return "fp32"
+
+    def _lookup_peak(self, dtype: torch.dtype, key: str) -> float:
         if self.type == "cuda":
-            name = torch.cuda.get_device_name(self.torch_device)
-            for key, value in GPU_PEAK_BF16.items():
-                if key in name:
-                    return value if dtype != torch.float32 else value / 2  # tf32 tensor cores
-            return measure_matmul_peak(self.torch_device, dtype)
+            from qwen3_research import titan
+
+            bf16 = titan.gpu_peak_flops(torch.cuda.get_device_name(self.torch_device))
+            if key == "bf16":
+                return bf16
+            if key == "tf32":
+                return bf16 / 2
+            return GPU_FP32_BY_BF16_PEAK.get(bf16) or measure_matmul_peak(self.torch_device, torch.float32)
         if self.type == "neuron":
-            return TRN2_CORE_PEAK_BF16 * self.lnc
+            return TRN2_CORE_PEAK["bf16" if key == "bf16" else "fp32"] * self.lnc
         return cached_cpu_peak(dtype)
+
+    def facts(self, dtype: torch.dtype = torch.float32) -> dict:
+        """What this rank runs on, as the run reports it (summary.json ``device_facts``)."""
+        return {
+            "rank": int(os.environ.get("RANK", 0)), "device": str(self.torch_device), "lnc": self.lnc,
+            LNC_ENV: os.environ.get(LNC_ENV), "capacity_gib": round(self.capacity_bytes() / 1024**3, 3),
+            "peak_flops": self.peak_flops(dtype), "peak_dtype": self.peak_dtype(dtype), "peak_reset": self.peak_reset,
+        }
 
 
 def _cache_dir() -> Path:

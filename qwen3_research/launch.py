@@ -137,6 +137,9 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         rc = validate(to_run_config(resolved))
+        from qwen3_research.device import prepare_launch
+
+        prepare_launch(rc, resolved)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
         titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
         resolve_batch_size(rc, degrees.dp)

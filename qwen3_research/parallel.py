@@ -44,6 +44,12 @@ def validate_degrees(
 
     ``world_size``: what the launcher actually started (torchrun / a worker), if known.
     """
+    if p.nproc_per_node == -1:  # auto; the launch paths resolve it for the run's device first (device.prepare_launch)
+        import dataclasses
+
+        from qwen3_research.device import host_nproc_per_node
+
+        p = dataclasses.replace(p, nproc_per_node=host_nproc_per_node(world_size, p.nnodes))
     asked = p.nproc_per_node * p.nnodes
     if world_size is not None and world_size != asked:
         raise ConfigError(

@@ -480,3 +480,36 @@ def mark_expert_counts_varying(counts) -> None:
     if get_spmd_backend() == "spmd_types" and spmd.is_type_checking() and spmd_mesh_size("ep") == 1:
         for axis in ("dp", "cp"):
             spmd.mutate_type(counts, axis, src=spmd.P, dst=spmd.V)
+
+
+# -- doctor --------------------------------------------------------------------------------------
+def distribution() -> dict:
+    """Which torchtitan is installed: version, and whether it is AWS's torchtitan-neuron fork.
+
+    The fork (https://github.com/aws-neuron/torchtitan-neuron, release-2.33) installs the package
+    ``torchtitan`` with a ``+neuron`` local version, e.g. ``0.2.2+neuron.1`` (Neuron 2.33 release
+    notes, release-notes/components/torchtitan-neuron); an editable install records its Git URL.
+    """
+    import json
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import distribution as dist
+
+    try:
+        d = dist("torchtitan")
+    except PackageNotFoundError:
+        return {"installed": False, "version": None, "fork": False, "source": None}
+    source = None
+    try:
+        source = json.loads(d.read_text("direct_url.json") or "{}").get("url")
+    except ValueError:
+        pass
+    fork = "+neuron" in d.version or "torchtitan-neuron" in (source or "")
+    return {"installed": True, "version": d.version, "fork": fork, "source": source}
+
+
+def gpu_peak_flops(device_name: str) -> float:
+    """torchtitan's dense bf16 peak FLOP/s for a GPU name (its table tells H100 SXM / PCIe / NVL
+    apart, reading ``lspci`` where it can). Unknown names get torchtitan's A100 fallback."""
+    from torchtitan.tools.utils import get_peak_flops
+
+    return float(get_peak_flops(device_name))

@@ -48,8 +48,12 @@ class Trainer:
         device_type = devices.resolve_device_type(cfg.device.type)
         devices.prepare_torchtitan(device_type)
         self.device = devices.Device(device_type, local_rank, cfg.device.lnc)
+        self.device.reset_peak_memory()  # this run's peak, not an earlier run's in this process
         if self.world_size > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group(backend=self.device.dist_backend)
+        # After the process group (on neuron it starts the runtime on this rank's core): every rank's
+        # device, LNC and environment as the worker sees them, for summary.json.
+        self.device_facts = self._gather(self.device.facts(self._compute_dtype()))
 
         from qwen3_research import models, parallel
         from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
@@ -106,6 +110,16 @@ class Trainer:
         self.build_s = time.perf_counter() - t_start
 
     # -- construction helpers ----------------------------------------------------------------
+    def _compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.training.mixed_precision == "bf16" else torch.float32
+
+    def _gather(self, row: dict) -> list[dict]:
+        if self.world_size == 1:
+            return [row]
+        rows = [None] * self.world_size
+        torch.distributed.all_gather_object(rows, row)
+        return rows
+
     def _dp_coordinates(self) -> tuple[int, int]:
         if not self.degrees.sharded or self.degrees.dp == 1:
             return 0, 1
@@ -246,7 +260,7 @@ class Trainer:
         if self.is_main:
             self.sinks.start(self._resolved_config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
-        peak = self.device.peak_flops(torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
+        peak = self.device.peak_flops(self._compute_dtype())
         timer = StepTimer()
         last: dict = {}
         eval_loss = None
@@ -292,7 +306,7 @@ class Trainer:
         }
         if self.is_main:
             self.sinks.finish(summary)
-        return summary
+        return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
         from qwen3_research.metrics import mfu, tokens_per_second

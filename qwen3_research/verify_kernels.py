@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = validate(to_run_config(cfg))
         from qwen3_research import device as devices
 
+        # The LNC goes into the environment before TorchNeuron is imported (its runtime reads it once).
+        devices.export_lnc(devices.resolve_lnc(rc.device.lnc, devices.requested_device_kind(rc.device.type)))
         device_type = devices.resolve_device_type(rc.device.type)
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)

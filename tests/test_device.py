@@ -1,0 +1,242 @@
+"""Device facts: LNC export to workers, Neuron HBM / peak FLOP/s (through a test double of
+``torch.neuron``), GPU peaks from torchtitan's table, and the per-run peak-memory reset."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qwen3_research import device as devices
+from qwen3_research.errors import ConfigError
+from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
+
+GIB = 1024**3
+
+
+# -- LNC ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_lnc_reaches_every_worker_environment(tmp_path):
+    """device.lnc=1 with 2 CPU worker processes: both ranks read NEURON_LOGICAL_NC_CONFIG=1 from
+    their own os.environ (recorded by each worker into summary.json device_facts)."""
+    env = cli_env()
+    env.pop(devices.LNC_ENV, None)  # the parent shell has no LNC: only device.lnc can put it there
+    proc = run_cli([*FAST, "training.steps=1", "device.lnc=1", "parallelism.nproc_per_node=2",
+                    "parallelism.dp_shard=2"], run_dir=tmp_path / "run", env=env)
+    assert_ok(proc)
+    facts = json.loads((tmp_path / "run" / "summary.json").read_text())["device_facts"]
+    assert [f["rank"] for f in facts] == [0, 1]  # two worker processes reported
+    assert [f[devices.LNC_ENV] for f in facts] == ["1", "1"]
+    assert [f["lnc"] for f in facts] == [1, 1]
+
+
+def test_lnc_conflicting_with_environment_is_refused(tmp_path):
+    """NEURON_LOGICAL_NC_CONFIG=2 in the shell and device.lnc=1: exit 2, one line, no run dir."""
+    proc = run_cli([*FAST, "device.lnc=1"], run_dir=tmp_path / "run", env=cli_env(**{devices.LNC_ENV: "2"}))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["config error: device.lnc=1 conflicts with NEURON_LOGICAL_NC_CONFIG=2 in the environment "
+                     "(the Neuron runtime reads only the variable); unset NEURON_LOGICAL_NC_CONFIG or pass device.lnc=2"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_lnc_resolution_rules():
+    assert devices.resolve_lnc(None, "neuron", env={}) == 2  # trn2 runtime default
+    assert devices.resolve_lnc(None, "cpu", env={}) is None  # nothing to export off neuron
+    assert devices.resolve_lnc(1, "cpu", env={}) == 1
+    assert devices.resolve_lnc(None, "neuron", env={devices.LNC_ENV: "1"}) == 1
+    assert devices.resolve_lnc(2, "neuron", env={devices.LNC_ENV: "2"}) == 2  # agreeing is fine
+    with pytest.raises(ConfigError, match="device.lnc must be 1 or 2"):
+        devices.resolve_lnc(4, "neuron", env={})
+    with pytest.raises(ConfigError, match="is not 1 or 2"):
+        devices.resolve_lnc(None, "neuron", env={devices.LNC_ENV: "x"})
+
+
+def test_nproc_auto_is_one_on_cpu_and_logical_cores_on_neuron(monkeypatch):
+    """-1 (auto): 1 on cpu; on neuron the count torch_neuronx reports at the LNC (here a test double
+    of the counting child process: 64 logical cores at LNC=2, 128 at LNC=1 on a trn2.48xlarge)."""
+    assert devices.resolve_nproc_per_node(-1, "cpu", None) == 1
+    assert devices.resolve_nproc_per_node(3, "neuron", 2) == 3  # explicit wins
+    monkeypatch.setattr(devices, "neuron_logical_core_count", lambda lnc: {1: 128, 2: 64}[lnc])
+    assert devices.resolve_nproc_per_node(-1, "neuron", 2) == 64
+    assert devices.resolve_nproc_per_node(-1, "neuron", 1) == 128
+
+
+def test_logical_core_count_asks_torch_neuronx_at_the_lnc(tmp_path, monkeypatch):
+    """The count comes from torch_neuronx.device_count() in a child process started with the LNC in
+    its environment. Here torch_neuronx is a test double package whose device_count() answers as a
+    trn2.48xlarge would: 128 logical cores at LNC=1, 64 at LNC=2."""
+    pkg = tmp_path / "double" / "torch_neuronx"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "# test double of torch_neuronx (device_count only)\n"
+        "import os\n"
+        "def device_count():\n"
+        "    return {'1': 128, '2': 64}[os.environ['NEURON_LOGICAL_NC_CONFIG']]\n")
+    monkeypatch.setenv("PYTHONPATH", f"{pkg.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    devices.neuron_logical_core_count.cache_clear()
+    try:
+        assert devices.neuron_logical_core_count(2) == 64
+        assert devices.neuron_logical_core_count(1) == 128
+    finally:
+        devices.neuron_logical_core_count.cache_clear()
+
+
+# -- Neuron facts through a test double of torch.neuron -------------------------------------------
+class TorchNeuronTestDouble:
+    """Test double of ``torch.neuron`` (torch_neuronx/neuron.py, memory.py in AWS's TorchNeuron
+    sources): same function names and signatures; one trn2 logical core of 24 GiB at LNC=2."""
+
+    def __init__(self, total_memory: int):
+        self.total_memory = total_memory
+        self.allocated = 0
+        self.peak = 0
+        self.calls: list[str] = []
+
+    def device_count(self) -> int:
+        return 1
+
+    def synchronize(self, device=None) -> None:
+        self.calls.append("synchronize")
+
+    def get_device_properties(self, device=None):
+        self.calls.append(f"get_device_properties({device})")
+        return SimpleNamespace(name="trn2", total_memory=self.total_memory)
+
+    def memory_allocated(self, device=None) -> int:
+        self.calls.append("memory_allocated")
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        self.calls.append("max_memory_allocated")
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append("reset_peak_memory_stats")
+        self.peak = self.allocated
+
+    def allocate(self, nbytes: int) -> None:  # what running work would do to the counters
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+
+def _neuron_device(monkeypatch, double, lnc):
+    monkeypatch.setattr(torch, "neuron", double, raising=False)
+    # "neuron" is a torch device type only once torch_neuronx has registered it.
+    monkeypatch.setattr(devices, "_torch_device", lambda kind, index: torch.device("meta"))
+    monkeypatch.delenv(devices.LNC_ENV, raising=False)
+    return devices.Device("neuron", 0, lnc)
+
+
+def test_neuron_capacity_is_get_device_properties_total_memory(monkeypatch):
+    """24 GiB per LNC=2 rank (96 GiB per 8-core trn2 chip), not 24 GiB x LNC = 48 as before."""
+    double = TorchNeuronTestDouble(total_memory=24 * GIB)
+    dev = _neuron_device(monkeypatch, double, 2)
+    assert dev.capacity_bytes() == 24 * GIB
+    assert "get_device_properties(0)" in double.calls  # asked for this rank's device index
+    assert dev.memory().capacity_gib == 24.0
+
+
+def test_neuron_peak_flops_at_lnc_1_and_2(monkeypatch):
+    """AWS: 157e12 bf16 per LNC=2 rank (TorchTitan.diff), so 78.5e12 at LNC=1; fp32 181e12/8 per core."""
+    double = TorchNeuronTestDouble(total_memory=24 * GIB)
+    lnc2 = _neuron_device(monkeypatch, double, 2)
+    lnc1 = _neuron_device(monkeypatch, double, 1)
+    assert lnc2.peak_flops(torch.bfloat16) == 157e12
+    assert lnc1.peak_flops(torch.bfloat16) == 78.5e12
+    assert lnc2.peak_flops(torch.float32) == pytest.approx(45.25e12)
+    assert lnc1.peak_flops(torch.float32) == pytest.approx(22.625e12)
+    assert lnc2.peak_dtype(torch.float32) == "fp32" and lnc2.peak_dtype(torch.bfloat16) == "bf16"
+
+
+def test_neuron_memory_percentages_synchronize_first_and_reset(monkeypatch):
+    """6 GiB peak of 24 GiB = 25.0 %; after a reset and 3 GiB of new work the peak is 12.5 %
+    (4.5 GiB live then, 1.5 of it left from before); counters are read only after a synchronize."""
+    double = TorchNeuronTestDouble(total_memory=24 * GIB)
+    dev = _neuron_device(monkeypatch, double, 2)
+    double.allocate(6 * GIB)
+    double.free(int(4.5 * GIB))
+    double.calls.clear()
+    m = dev.memory()
+    assert double.calls[0] == "synchronize"  # before memory_allocated / max_memory_allocated
+    assert (m.current_gib, m.peak_gib, m.peak_pct) == (1.5, 6.0, 25.0)
+    dev.reset_peak_memory()
+    double.allocate(int(1.5 * GIB))
+    m = dev.memory()
+    assert (m.peak_gib, m.peak_pct) == (3.0, 12.5)
+
+
+# -- GPU peaks from torchtitan's table ------------------------------------------------------------
+@pytest.mark.parametrize("name, bf16, fp32, tf32", [
+    ("NVIDIA H100 80GB HBM3", 989e12, 67e12, 494.5e12),  # the SXM part's CUDA device name
+    ("NVIDIA H100 PCIe", 756e12, 51e12, 378e12),
+    ("NVIDIA H100 NVL", 835e12, 60e12, 417.5e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 19.5e12, 156e12),
+])
+def test_gpu_peaks_by_name_and_dtype(monkeypatch, tmp_path, name, bf16, fp32, tf32):
+    """A mocked device-name table (torch.cuda.get_device_name): torchtitan's get_peak_flops tells
+    H100 SXM from PCIe; fp32 without TF32 is the CUDA-core peak (15x below bf16 on H100 SXM), not
+    TF32's; enabling TF32 switches to half the bf16 peak."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no lspci: torchtitan then reads the name we give
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    assert devices.tf32_enabled() is False  # PyTorch's default, which this project keeps
+    dev = devices.Device("cuda", 0)
+    assert dev.peak_flops(torch.bfloat16) == bf16
+    assert dev.peak_dtype(torch.float32) == "fp32"
+    assert dev.peak_flops(torch.float32) == fp32
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # what enabling TF32 sets
+    tf = devices.Device("cuda", 0)
+    assert tf.peak_dtype(torch.float32) == "tf32"
+    assert tf.peak_flops(torch.float32) == tf32
+
+
+def test_gpu_peak_reset_gives_each_run_its_own_peak(monkeypatch):
+    """A fake process-wide CUDA counter: run 1 peaks at 30 GiB; run 2 (new Device + reset, as the
+    Trainer does at start) peaks at 5 GiB and must report 5, not 30."""
+    state = {"alloc": 0, "peak": 0}
+
+    def alloc(n):
+        state["alloc"] += n
+        state["peak"] = max(state["peak"], state["alloc"])
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["alloc"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: state.update(peak=state["alloc"]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * GIB))
+    first = devices.Device("cuda", 0)
+    first.reset_peak_memory()
+    alloc(30 * GIB)
+    alloc(-30 * GIB)
+    assert first.memory().peak_gib == 30.0
+    second = devices.Device("cuda", 0)
+    second.reset_peak_memory()
+    alloc(5 * GIB)
+    assert second.memory().peak_gib == 5.0
+    assert second.memory().peak_pct == 6.25  # 5 of 80 GiB
+
+
+@pytest.mark.slow
+def test_single_process_sweep_reports_each_points_own_peak(tmp_path):
+    """Two points in one process (Hydra's basic launcher): batch 8 then batch 1 at seq_len 64. The
+    logits alone are 8x64x151936x4 B = 311 MB per copy in the first point; the second point's
+    peak must come out lower by at least 0.25 GiB, and each point reset the peak (VmHWM on Linux)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "data.batch_size=8,1", "data.seq_len=64", "training.steps=2", "training.eval_every=0",
+                    "logging.print_config=false", "logging.wandb.mode=disabled", "parallelism.nproc_per_node=1",
+                    f"hydra.sweep.dir={sweep}"])
+    assert_ok(proc)
+    big, small = (sorted(sweep.glob(f"{i}_*"))[0] for i in (0, 1))
+    peaks = [max(r["mem_peak_gib"] for r in read_metrics(d) if "mem_peak_gib" in r) for d in (big, small)]
+    resets = [json.loads((d / "summary.json").read_text())["device_facts"][0]["peak_reset"] for d in (big, small)]
+    print(f"peaks (GiB): first {peaks[0]:.3f}, second {peaks[1]:.3f}; resets {resets}")
+    assert resets == ["VmHWM", "VmHWM"]
+    assert peaks[1] < peaks[0] - 0.25, peaks
