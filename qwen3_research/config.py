@@ -115,6 +115,8 @@ class CheckpointConfig:
     resume: Optional[str] = None  # None | auto | <path to a step dir>
     keep: int = 2
     export_hf: bool = False
+    overwrite: bool = False  # start over in a run dir that holds a run: its files are removed first
+    allow_data_change: bool = False  # resume under another data layout (seq_len, batch, source, tokenizer)
 
 
 @dataclass
