@@ -51,6 +51,9 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+_WARNED: set[str] = set()
+
+
 def damage(path: Path) -> str | None:
     """None if every data file that ``.metadata`` refers to is there and long enough, else what is wrong."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -84,10 +87,11 @@ def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpo
             bad = damage(found[i])
             if bad is None:
                 return found[i]
-            if warn:
-                print(f"warning: {what}=auto: skipping {found[i].name}: {bad}; "
-                      f"{'falling back to ' + str(found[i - 1]) if i else 'no older checkpoint'}",
-                      file=sys.stderr, flush=True)
+            line = (f"warning: {what}=auto: skipping {found[i].name}: {bad}; "
+                    f"{'falling back to ' + str(found[i - 1]) if i else 'no older checkpoint'}")
+            if warn and line not in _WARNED:  # once per process (checked before Hydra and again in launch.run)
+                _WARNED.add(line)
+                print(line, file=sys.stderr, flush=True)
         return None
     path = Path(os.path.expanduser(spec)).resolve()
     found = [path] if is_complete(path) else list_checkpoints(path)
@@ -289,7 +293,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.resume_from: Path | None = None
         if self.cfg.resume:
-            self.resume_from = find_checkpoint(self.cfg.resume, self.root, warn=trainer.is_main)
+            self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
             if self.resume_from is not None:  # fail before anything is written, on every rank
                 check_model_matches(self.resume_from, self._model_state(), what=f"checkpoint.resume={self.cfg.resume}")
                 from qwen3_research.rundir import refuse_layout_change
