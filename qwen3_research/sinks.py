@@ -204,6 +204,8 @@ class WandbSink(MetricSink):
         # A resumed run: the W&B run already holds the steps an earlier segment delivered (offline: up to
         # its clean finish; online: up to the server's last step); log the checkpointed rows it lacks.
         have = max(self.logged_through, getattr(self.run, "starting_step", 0) - 1)
+        if self.replay and self.replay[-1]["step"] > have and getattr(self.run, "offline", False):
+            have = max(have, _offline_steps_delivered(self.run_dir, self.run.id))
         self.logged_through = have
         self.pending = [r for r in self.replay if r["step"] > have] + self.pending
         self.replay = []
@@ -274,6 +276,26 @@ class WandbSink(MetricSink):
             from qwen3_research.rundir import wandb_state, write_wandb_state
 
             write_wandb_state(self.run_dir, {**wandb_state(self.run_dir), "logged_through": self.last_step})
+
+
+def _offline_steps_delivered(run_dir: Path, run_id: str) -> int:
+    """The last train/step the earlier offline segments of this W&B run hold, read with W&B's own reader
+    (``wandb leet inspect``): a killed segment may have written some rows before it died."""
+    import subprocess
+
+    last = 0
+    for f in sorted(Path(run_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        try:
+            out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(f)],
+                                 capture_output=True, text=True, timeout=120, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            if line.startswith('{"num"') and '"type":"history"' in line:
+                step = json.loads(line)["history"]["item"].get("train/step")
+                if isinstance(step, (int, float)):
+                    last = max(last, int(step))
+    return last
 
 
 class Sinks(MetricSink):
