@@ -145,7 +145,7 @@ class TrainingConfig:
     eval_every: int = 20  # 0 disables evaluation
     eval_batches: int = 2
     grad_accum: int = 1
-    mixed_precision: str = "none"  # none | bf16 (autocast where the device supports it)
+    mixed_precision: str = "none"  # none | bf16: autocast, float32 parameters and optimizer state, in every layout
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2"
 

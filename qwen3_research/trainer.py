@@ -65,6 +65,8 @@ class Trainer:
         from qwen3_research.config import resolve_batch_size
 
         cfg.data.batch_size = resolve_batch_size(cfg, self.degrees.dp)
+        # W&B's config and summary.json record the value used (data.global_batch_tokens derives it).
+        resolved_config = {**resolved_config, "data": {**resolved_config.get("data", {}), "batch_size": cfg.data.batch_size}}
 
         # Data.
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
@@ -283,6 +285,7 @@ class Trainer:
             "tokens": self.data.num_tokens,
             "train_samples": len(self.data.train),
             "val_samples": len(self.data.val),
+            "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
         }
 
@@ -338,7 +341,8 @@ class Trainer:
             self.checkpointer.finish()
         summary = {
             "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": self.last_record.get("loss"),
-            "final_eval_loss": self.last_eval_loss,
+            "final_eval_loss": self.last_eval_loss, "batch_size": cfg.data.batch_size,
+            "global_batch_tokens": tokens_per_step,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
         if self.is_main:
