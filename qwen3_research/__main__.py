@@ -83,6 +83,10 @@ def preflight(overrides: list[str]) -> None:
     from qwen3_research.config import to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
+    words = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if words:
+        _die(f"config error: {words[0]!r} is not an override; write key=value (e.g. training.steps=10) or "
+             "group=option (e.g. model=native_moe); list them with --help")
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)

@@ -116,7 +116,12 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
                 with open(f, encoding="utf-8") as fh:
                     for i, line in enumerate(fh):
                         if line.strip():
-                            row = json.loads(line)
+                            try:
+                                row = json.loads(line)
+                            except json.JSONDecodeError as e:
+                                raise ConfigError(f"data.files: {f} line {i + 1} is not JSON ({e.msg}, column {e.colno})") from None
+                            if not isinstance(row, dict):
+                                raise ConfigError(f"data.files: {f} line {i + 1} is not a JSON object")
                             if text_field not in row:
                                 raise ConfigError(f"data.text_field={text_field!r} missing in {f} line {i + 1}")
                             docs.append((f"{f}:{i}", str(row[text_field])))

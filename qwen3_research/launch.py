@@ -104,6 +104,15 @@ def finite_json(summary: dict) -> dict:
     return out
 
 
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().mode.name == "MULTIRUN"
+    except Exception:  # noqa: BLE001 - not under Hydra (tests call run() directly)
+        return False
+
+
 def _write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(finite_json(summary), indent=1, default=str, allow_nan=False))
@@ -189,7 +198,9 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         if isinstance(e, KeyboardInterrupt):
             reason = "interrupted by SIGINT outside the training loop (start-up or the final save)"
         # A config error on a resume, or in a run dir this process does not own, keeps the earlier summary.
-        keep_existing = isinstance(e, ConfigError) and ((run_path / "summary.json").exists() or refused)
+        # A single run's config error writes no summary (README: exit 2 writes nothing); a sweep point records
+        # it for the sweep report.
+        keep_existing = isinstance(e, ConfigError) and ((run_path / "summary.json").exists() or refused or not _multirun())
         if _writes_run_files() and not keep_existing:
             _write_summary(run_path, {"status": "interrupted" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "failed",
                                       "reason": reason.splitlines()[0] if reason else type(e).__name__,

@@ -177,6 +177,10 @@ class WandbSink(MetricSink):
         mode = os.environ.get("WANDB_MODE") or self.cfg.mode
         if mode == "disabled":
             return
+        if mode not in ("online", "offline", "dryrun", "run"):
+            print(f"warning: WANDB_MODE={mode!r} is not one of online, offline, disabled; W&B is off for this run",
+                  file=sys.stderr, flush=True)
+            return
         try:
             self.run = self._init(config, mode)
         except Exception as e:  # noqa: BLE001 - W&B must never stop training

@@ -221,6 +221,7 @@ def test_batch_size_beyond_the_data_is_a_config_error(tmp_path):
     assert line.startswith("config error: data.batch_size=1000 × dp 1 × training.grad_accum=1 = 1000 sequences per step, "
                            "but the data holds only "), line
     assert line.endswith("lower data.batch_size (or data.seq_len), or add data")
+    assert not (tmp_path / "r" / "summary.json").exists()  # exit 2 writes no summary, also after start-up
 
 
 def test_no_held_out_documents_turn_evaluation_off_and_json_has_no_nan(tmp_path):
@@ -271,3 +272,31 @@ def test_ctrl_c_at_any_moment_exits_130(tmp_path, moment):
         assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     if moment == "training":
         assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+# -- weaker cases ------------------------------------------------------------------------------------
+
+
+def test_a_bare_word_gets_the_key_value_hint(tmp_path):
+    proc = run_cli(["train"], run_dir=tmp_path / "r")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("config error: 'train' is not an override; write key=value (e.g. training.steps=10) "
+                                   "or group=option (e.g. model=native_moe); list them with --help")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_number(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n')
+    proc = run_cli(QUICK + ["training.steps=1", "data=files", f"data.files={f}"], run_dir=tmp_path / "r")
+    assert proc.returncode == 2
+    assert last_line(proc) == f"config error: data.files: {f} line 3 is not JSON (Expecting value, column 10)"
+
+
+def test_an_unknown_wandb_mode_is_one_warning(tmp_path):
+    proc = run_cli(QUICK + ["training.steps=1", "logging.wandb.mode=offline"], run_dir=tmp_path / "r",
+                   env=cli_env(WANDB_MODE="bogus"))
+    assert_ok(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if "bogus" in ln]
+    assert lines == ["warning: WANDB_MODE='bogus' is not one of online, offline, disabled; W&B is off for this run"]
+    assert not (tmp_path / "r" / "wandb").exists()
