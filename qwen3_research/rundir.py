@@ -132,6 +132,10 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
             )
         return
     found = find_checkpoint(ck.resume, root, warn=True)
+    if found is not None:  # another model first: that is the error, whatever the step
+        from qwen3_research.checkpoint import preflight
+
+        preflight(rc, run_dir)
     summary = read_summary(run_dir)
     steps = rc.training.steps
     if found is None:
