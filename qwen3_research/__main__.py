@@ -8,10 +8,20 @@ to Hydra; each point validates itself and a bad point fails alone.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
-import hydra
+
+def _interrupted_while_importing(signum, frame):  # Ctrl-C before main() runs: 130, one line, no traceback
+    print("interrupted by SIGINT before training started; nothing was written", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -73,6 +83,10 @@ def preflight(overrides: list[str]) -> None:
     from qwen3_research.config import to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
+    words = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if words:
+        _die(f"config error: {words[0]!r} is not an override; write key=value (e.g. training.steps=10) or "
+             "group=option (e.g. model=native_moe); list them with --help")
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
@@ -85,9 +99,36 @@ def preflight(overrides: list[str]) -> None:
         prepare_launch(rc)  # LNC conflicts, nproc_per_node=-1 (auto)
         # Under torchrun, also check the degrees against the world size it started.
         world = int(os.environ["WORLD_SIZE"]) if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ else None
-        validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))
+        degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))
+        _check_run_dir(rc, degrees, overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
+
+
+def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
+    """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
+    from hydra import compose, initialize_config_dir
+
+    from qwen3_research import models
+    from qwen3_research.config import resolve_batch_size
+    from qwen3_research.data import Tokenizer, tokenizer_path
+    from qwen3_research.rundir import AlreadyComplete, check_run_dir
+
+    spec = models.tokenizer_spec(rc)
+    if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
+        Tokenizer(tokenizer_path(spec))
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
+        return  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            run_dir = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra.run.dir
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.run checks later
+        return
+    try:
+        check_run_dir(rc, Path(os.path.abspath(str(run_dir))), dp=degrees.dp, batch_size=resolve_batch_size(rc, degrees.dp))
+    except AlreadyComplete as done:
+        print(str(done), flush=True)
+        sys.exit(0)
 
 
 def _die(message: str) -> None:
@@ -149,7 +190,21 @@ def _task(cfg: DictConfig):
         raise
 
 
+def _interrupted() -> None:
+    print("interrupted by SIGINT before training started (or after it ended); no checkpoint saved by this signal",
+          file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C raises KeyboardInterrupt
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C at any moment: 130 and one line, never a traceback
+        _interrupted()
+
+
+def _main() -> None:
     overrides, passthrough = _split_argv(sys.argv[1:])
     if not passthrough:
         preflight(overrides)

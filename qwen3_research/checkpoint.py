@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -50,17 +51,62 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpoint.resume") -> Path | None:
-    """``auto`` -> newest complete one under ``root`` (None if none); a path -> that step dir, or the newest in it."""
+_WARNED: set[str] = set()
+
+
+def damage(path: Path) -> str | None:
+    """None if every data file that ``.metadata`` refers to is there and long enough, else what is wrong."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    check_metadata_pickle(path)
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
+        return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None:
+            return f"{f} is missing"
+        if have < size:
+            return f"{f} is truncated ({have} of {size} bytes)"
+    return None
+
+
+def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpoint.resume",
+                    warn: bool = False) -> Path | None:
+    """``auto`` -> newest intact one under ``root`` (None if none; a damaged newer one is skipped with a
+    warning when ``warn``); a path -> that step dir, or the newest in it (a damaged one is an error that
+    names the file and the next-newest intact checkpoint)."""
     if spec == "auto":
         found = list_checkpoints(root) if root is not None else []
-        return found[-1] if found else None
+        for i in range(len(found) - 1, -1, -1):
+            bad = damage(found[i])
+            if bad is None:
+                return found[i]
+            line = (f"warning: {what}=auto: skipping {found[i].name}: {bad}; "
+                    f"{'falling back to ' + str(found[i - 1]) if i else 'no older checkpoint'}")
+            if warn and line not in _WARNED:  # once per process (checked before Hydra and again in launch.run)
+                _WARNED.add(line)
+                print(line, file=sys.stderr, flush=True)
+        return None
     path = Path(os.path.expanduser(spec)).resolve()
-    if is_complete(path):
-        return path
-    found = list_checkpoints(path)
+    found = [path] if is_complete(path) else list_checkpoints(path)
     if found:
-        return found[-1]
+        bad = damage(found[-1])
+        if bad is None:
+            return found[-1]
+        siblings = [p for p in list_checkpoints(found[-1].parent) if p != found[-1] and
+                    int(STEP_DIR.match(p.name).group(1)) < int(STEP_DIR.match(found[-1].name).group(1))]
+        older = next((p for p in reversed(siblings) if damage(p) is None), None)
+        raise ConfigError(
+            f"{what}={spec!r}: {bad}; "
+            + (f"the next-newest intact checkpoint is {older}: resume from it with {what}={older}"
+               if older else "no older intact checkpoint exists")
+        )
     if not path.exists():
         raise ConfigError(f"{what}={spec!r}: no such directory")
     raise ConfigError(
@@ -247,9 +293,13 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.resume_from: Path | None = None
         if self.cfg.resume:
-            self.resume_from = find_checkpoint(self.cfg.resume, self.root)
+            self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
             if self.resume_from is not None:  # fail before anything is written, on every rank
                 check_model_matches(self.resume_from, self._model_state(), what=f"checkpoint.resume={self.cfg.resume}")
+                from qwen3_research.rundir import refuse_layout_change
+
+                refuse_layout_change(read_meta(self.resume_from).get("data_layout"), trainer.data_layout,
+                                     self.resume_from, self.cfg.allow_data_change, quiet=not trainer.is_main)
 
     def _log(self, text: str) -> None:
         if self.trainer.is_main:
@@ -266,7 +316,7 @@ class Checkpointer:
             "model": self._model_state(),
             "optim": get_optimizer_state_dict(unwrap(t.backend.model), t.optimizer),
             "scheduler": _to_json_bytes(t.scheduler.state_dict()),
-            "progress": _to_json_bytes({"step": t.step}),
+            "progress": _to_json_bytes({"step": t.step, **t.progress_state()}),
             f"rng_rank{t.rank}": _rng_state(),
         }
 
@@ -290,7 +340,9 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.resume: cannot read {self.resume_from} ({_first_line(e)})") from None
         set_optimizer_state_dict(unwrap(t.backend.model), t.optimizer, state["optim"])
         t.scheduler.load_state_dict(_from_json_bytes(state["scheduler"]))
-        t.step = int(_from_json_bytes(state["progress"])["step"])
+        progress = _from_json_bytes(state["progress"])
+        t.step = int(progress["step"])
+        t.load_progress_state(progress)
         if f"rng_rank{t.rank}" in state:
             _set_rng_state(state[f"rng_rank{t.rank}"])
         self.last_saved = t.step
@@ -345,6 +397,7 @@ class Checkpointer:
             meta = {
                 "step": step, "time": time.time(), "world_size": t.world_size, "layout": t.degrees.describe(),
                 "model": dataclasses.asdict(t.cfg.model), "config": dataclasses.asdict(t.cfg),
+                "data_layout": getattr(t, "data_layout", None),
             }
             with open(tmp / META, "w") as fh:
                 json.dump(meta, fh, indent=1, default=str)

@@ -115,6 +115,8 @@ class CheckpointConfig:
     resume: Optional[str] = None  # None | auto | <path to a step dir>
     keep: int = 2
     export_hf: bool = False
+    overwrite: bool = False  # start over in a run dir that holds a run: its files are removed first
+    allow_data_change: bool = False  # resume under another data layout (seq_len, batch, source, tokenizer)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class TrainingConfig:
     eval_every: int = 20  # 0 disables evaluation
     eval_batches: int = 2
     grad_accum: int = 1
-    mixed_precision: str = "none"  # none | bf16 (autocast where the device supports it)
+    mixed_precision: str = "none"  # none | bf16: autocast, float32 parameters and optimizer state, in every layout
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2"
 

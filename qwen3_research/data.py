@@ -57,11 +57,34 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.path = path
-        self._tok = HFTokenizer.from_file(str(path))
-        eos = self._tok.token_to_id(EOS_TOKEN)
-        self.eos_id = eos if eos is not None else 0
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+            why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise ConfigError(f"data.tokenizer: {path} is not a tokenizer.json ({why}); use 'qwen3' or an HF "
+                              "model directory with a tokenizer.json") from None
+        self.eos_id = self._eos_id()
         self.vocab_size = self._tok.get_vocab_size()
         self.sha256 = _sha256(path)
+
+    def _eos_id(self) -> int:
+        """The document separator: <|endoftext|>, else the eos_token of a tokenizer_config.json beside it."""
+        eos = self._tok.token_to_id(EOS_TOKEN)
+        if eos is not None:
+            return eos
+        name = None
+        try:
+            name = json.loads((self.path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+        except (OSError, ValueError, AttributeError):
+            pass
+        eos = self._tok.token_to_id(name) if isinstance(name, str) else None
+        if eos is None:
+            raise ConfigError(
+                f"data.tokenizer: {self.path} has no {EOS_TOKEN} token and no eos_token in a tokenizer_config.json "
+                "beside it, so documents cannot be separated; use a tokenizer with an end-of-text token"
+            )
+        return eos
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -93,7 +116,12 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
                 with open(f, encoding="utf-8") as fh:
                     for i, line in enumerate(fh):
                         if line.strip():
-                            row = json.loads(line)
+                            try:
+                                row = json.loads(line)
+                            except json.JSONDecodeError as e:
+                                raise ConfigError(f"data.files: {f} line {i + 1} is not JSON ({e.msg}, column {e.colno})") from None
+                            if not isinstance(row, dict):
+                                raise ConfigError(f"data.files: {f} line {i + 1} is not a JSON object")
                             if text_field not in row:
                                 raise ConfigError(f"data.text_field={text_field!r} missing in {f} line {i + 1}")
                             docs.append((f"{f}:{i}", str(row[text_field])))
@@ -201,9 +229,10 @@ class PackedDataset:
                 f"data: {total} tokens make no training sample of data.seq_len+1={window} tokens; "
                 "lower data.seq_len or add text"
             )
-        if n_val and len(self.val) == 0:
-            # Validation documents shorter than one window: fall back to the last training samples.
-            self.val, self.train = self.train[-1:], self.train[:-1] if len(self.train) > 1 else self.train
+        if n_val and len(self.val) == 0 and len(self.train) > 1:
+            # Validation documents shorter than one window: hold out the last training sample instead
+            # (never the only one: then there is no validation data and the trainer turns evaluation off).
+            self.val, self.train = self.train[-1:], self.train[:-1]
         self.num_tokens = int(sum(len(a) for a in arrays))
         self.num_documents = len(docs)
 

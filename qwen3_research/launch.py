@@ -88,9 +88,34 @@ def _recorded_worker(resolved: dict, info: dict) -> dict:
     return record(worker)(resolved, info)
 
 
+def finite_json(summary: dict) -> dict:
+    """NaN/inf are not JSON: such a value becomes null and its key is listed under ``non_finite``."""
+    import math
+
+    out, bad = {}, []
+    for k, v in summary.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+            bad.append(f"{k}={v}")
+        else:
+            out[k] = v
+    if bad:
+        out["non_finite"] = bad
+    return out
+
+
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().mode.name == "MULTIRUN"
+    except Exception:  # noqa: BLE001 - not under Hydra (tests call run() directly)
+        return False
+
+
 def _write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    tmp.write_text(json.dumps(finite_json(summary), indent=1, default=str, allow_nan=False))
     os.replace(tmp, run_dir / "summary.json")
 
 
@@ -131,9 +156,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     from qwen3_research import models, titan
     from qwen3_research.parallel import validate_degrees
 
+    from qwen3_research.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
+
     t0 = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
+    lock, refused = None, False
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         rc = validate(to_run_config(resolved))
@@ -142,7 +170,18 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         prepare_launch(rc, resolved)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
         titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
-        resolve_batch_size(rc, degrees.dp)
+        batch_size = resolve_batch_size(rc, degrees.dp)
+        if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
+            refused = True  # until this process owns the run dir, a refusal writes nothing there
+            try:
+                check_run_dir(rc, run_path, dp=degrees.dp, batch_size=batch_size)
+            except AlreadyComplete as done:  # a sweep point that finished before: report it, write nothing
+                print(str(done), flush=True)
+                return read_summary(run_path) or {"status": "ok"}
+            lock = RunDirLock(run_path).acquire()
+            refused = False
+            if rc.checkpoint.overwrite and not rc.checkpoint.resume:
+                discard_earlier_run(rc, run_path)
         if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
             from qwen3_research.checkpoint import preflight
 
@@ -153,19 +192,26 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             summary = worker(resolved, asdict(info))
         else:
             summary = _elastic(resolved, info, rc)
+        summary = {**summary, "wall_s": time.perf_counter() - t0}
+        if _writes_run_files():
+            _write_summary(run_path, summary)
+        return summary
     except BaseException as e:
         clean = (ConfigError, WorkerGroupError, TrainingError, Interrupted)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
-        # A config error on a resume must not replace the earlier run's summary.
-        keep_existing = isinstance(e, ConfigError) and (run_path / "summary.json").exists()
+        if isinstance(e, KeyboardInterrupt):
+            reason = "interrupted by SIGINT outside the training loop (start-up or the final save)"
+        # A config error on a resume, or in a run dir this process does not own, keeps the earlier summary.
+        # A single run's config error writes no summary (README: exit 2 writes nothing); a sweep point records
+        # it for the sweep report.
+        keep_existing = isinstance(e, ConfigError) and ((run_path / "summary.json").exists() or refused or not _multirun())
         if _writes_run_files() and not keep_existing:
-            _write_summary(run_path, {"status": "interrupted" if isinstance(e, Interrupted) else "failed",
+            _write_summary(run_path, {"status": "interrupted" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "failed",
                                       "reason": reason.splitlines()[0] if reason else type(e).__name__,
                                       "wall_s": time.perf_counter() - t0})
         if not isinstance(e, (*clean, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)
         raise
-    summary = {**summary, "wall_s": time.perf_counter() - t0}
-    if _writes_run_files():
-        _write_summary(run_path, summary)
-    return summary
+    finally:
+        if lock is not None:
+            lock.release()

@@ -25,14 +25,27 @@ class StepTimer:
 
     def __init__(self):
         self.first_step_s: float | None = None
-        self.steady: list[float] = []
+        self.steady_sum = 0.0
+        self.steady_n = 0
+        self._warm = True  # the next step is a warm-up (the first of this process)
 
     def add(self, seconds: float) -> None:
         if self.first_step_s is None:
             self.first_step_s = seconds
-        else:
-            self.steady.append(seconds)
+        elif not self._warm:
+            self.steady_sum += seconds
+            self.steady_n += 1
+        self._warm = False
 
     @property
     def steady_mean_s(self) -> float:
-        return sum(self.steady) / len(self.steady) if self.steady else (self.first_step_s or 0.0)
+        return self.steady_sum / self.steady_n if self.steady_n else (self.first_step_s or 0.0)
+
+    def state(self) -> dict:
+        return {"first_step_s": self.first_step_s, "steady_sum": self.steady_sum, "steady_n": self.steady_n}
+
+    def load(self, state: dict) -> None:
+        """Continue a resumed run's timing; this process's first step is again a warm-up, not steady."""
+        self.first_step_s = state.get("first_step_s")
+        self.steady_sum, self.steady_n = float(state.get("steady_sum", 0.0)), int(state.get("steady_n", 0))
+        self._warm = True

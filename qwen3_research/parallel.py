@@ -158,12 +158,16 @@ def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bo
 
 
 def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compile_cfg, mixed_precision: str, run_dir: str):
-    """The torchtitan config objects ``parallelize_qwen3`` reads."""
+    """The torchtitan config objects ``parallelize_qwen3`` reads.
+
+    ``training.mixed_precision=bf16`` has one meaning in every layout: autocast (``Device.autocast``) with
+    float32 parameters, gradients and optimizer state. FSDP therefore keeps float32 parameters (no
+    ``param_dtype=bfloat16`` policy), so a sweep across layouts compares like with like."""
     from qwen3_research import titan
 
     return titan.training_configs(
         d, activation_checkpoint=activation_checkpoint, compile_backend=compile_cfg.backend or "inductor",
-        mixed_precision=mixed_precision, run_dir=run_dir,
+        mixed_precision="none", run_dir=run_dir,
     )
 
 

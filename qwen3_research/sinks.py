@@ -18,6 +18,7 @@ from typing import Any
 class MetricSink:
     def start(self, config: dict, summary: dict) -> None: ...
     def log(self, record: dict) -> None: ...
+    def commit(self) -> None: ...  # a checkpoint now holds every logged step
     def finish(self, summary: dict) -> None: ...
 
 
@@ -83,6 +84,27 @@ class JsonlSink(MetricSink):
         self.path = path
         self.fh = open(path, "a" if append else "w", encoding="utf-8")
 
+    def cut_back(self, step: int) -> list[dict]:
+        """Keep only the rows of steps <= ``step`` (a resume from that step's checkpoint), atomically."""
+        self.fh.close()
+        kept, rows = [], []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line + "\n")
+                rows.append(row)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        self.fh = open(self.path, "a", encoding="utf-8")
+        return rows
+
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.fh.write(json.dumps(clean) + "\n")
@@ -134,8 +156,12 @@ class WandbSink(MetricSink):
     """A W&B run (offline by default). Any W&B error turns this sink off with one warning."""
 
     def __init__(self, cfg, run_dir: Path, group: str | None, name: str, job_type: str = "train",
-                 swept: dict | None = None):
+                 swept: dict | None = None, hold_until_commit: bool = False):
         self.cfg = cfg
+        self.hold_until_commit = hold_until_commit
+        self.pending: list[dict] = []
+        self.replay: list[dict] = []  # a resumed run: metrics.jsonl rows up to its checkpoint
+        self.logged_through = 0
         self.run_dir = run_dir
         self.group = group
         self.name = name
@@ -150,6 +176,10 @@ class WandbSink(MetricSink):
     def start(self, config: dict, summary: dict) -> None:
         mode = os.environ.get("WANDB_MODE") or self.cfg.mode
         if mode == "disabled":
+            return
+        if mode not in ("online", "offline", "dryrun", "run"):
+            print(f"warning: WANDB_MODE={mode!r} is not one of online, offline, disabled; W&B is off for this run",
+                  file=sys.stderr, flush=True)
             return
         try:
             self.run = self._init(config, mode)
@@ -174,11 +204,27 @@ class WandbSink(MetricSink):
             self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
         except Exception as e:  # noqa: BLE001
             self._fail("setup", e)
+            return
+        # A resumed run: the W&B run already holds the steps an earlier segment delivered (offline: up to
+        # its clean finish; online: up to the server's last step); log the checkpointed rows it lacks.
+        have = max(self.logged_through, getattr(self.run, "starting_step", 0) - 1)
+        if self.replay and self.replay[-1]["step"] > have and getattr(self.run, "offline", False):
+            have = max(have, _offline_steps_delivered(self.run_dir, self.run.id))
+        self.logged_through = have
+        self.pending = [r for r in self.replay if r["step"] > have] + self.pending
+        self.replay = []
+        self.commit()
 
     def _init(self, config: dict, mode: str):
         import wandb
 
+        from qwen3_research.rundir import wandb_state
+
+        state = wandb_state(self.run_dir)
+        self.logged_through = int(state.get("logged_through", 0))
         return wandb.init(
+            id=state["id"],  # one W&B run per run dir: a resume continues it
+            resume="allow",
             project=os.environ.get("WANDB_PROJECT") or self.cfg.project,
             entity=os.environ.get("WANDB_ENTITY") or self.cfg.entity,
             group=self.group,
@@ -202,12 +248,26 @@ class WandbSink(MetricSink):
     def log(self, record: dict) -> None:
         if self.run is None:
             return
+        self.pending.append(record)
+        if not self.hold_until_commit:
+            self.commit()
+
+    def commit(self) -> None:
+        if self.run is None:
+            return
         try:
-            self.run.log(_wandb_flat(record))
+            for record in self.pending:  # W&B's step is the training step: monotonic across resumes
+                if record["step"] > self.logged_through:
+                    self.run.log(_wandb_flat(record), step=record["step"])
+                    self.last_step = record["step"]
+            self.pending.clear()
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
     def finish(self, summary: dict) -> None:
+        if self.run is None:
+            return
+        self.commit()
         if self.run is None:
             return
         try:
@@ -215,6 +275,31 @@ class WandbSink(MetricSink):
             self.run.finish()
         except Exception as e:  # noqa: BLE001
             self._fail("finish", e)
+            return
+        if getattr(self, "last_step", 0) > self.logged_through:  # delivered: a resume must not log these again
+            from qwen3_research.rundir import wandb_state, write_wandb_state
+
+            write_wandb_state(self.run_dir, {**wandb_state(self.run_dir), "logged_through": self.last_step})
+
+
+def _offline_steps_delivered(run_dir: Path, run_id: str) -> int:
+    """The last train/step the earlier offline segments of this W&B run hold, read with W&B's own reader
+    (``wandb leet inspect``): a killed segment may have written some rows before it died."""
+    import subprocess
+
+    last = 0
+    for f in sorted(Path(run_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        try:
+            out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(f)],
+                                 capture_output=True, text=True, timeout=120, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            if line.startswith('{"num"') and '"type":"history"' in line:
+                step = json.loads(line)["history"]["item"].get("train/step")
+                if isinstance(step, (int, float)):
+                    last = max(last, int(step))
+    return last
 
 
 class Sinks(MetricSink):
@@ -228,6 +313,10 @@ class Sinks(MetricSink):
     def log(self, record: dict) -> None:
         for s in self.sinks:
             s.log(record)
+
+    def commit(self) -> None:
+        for s in self.sinks:
+            s.commit()
 
     def finish(self, summary: dict) -> None:
         for s in self.sinks:

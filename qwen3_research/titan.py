@@ -513,3 +513,13 @@ def gpu_peak_flops(device_name: str) -> float:
     from torchtitan.tools.utils import get_peak_flops
 
     return float(get_peak_flops(device_name))
+# -- flex attention --
+def flex_attention_masks(model, batch: int, seq_len: int, device):
+    """The BlockMask torchtitan's trainer builds for FlexAttention (``Decoder.get_attention_masks``, as in
+    torchtitan/trainer.py's post_dataloading_process), from positions 0..seq_len-1 in every row: one
+    document per packed window, i.e. causal attention, the same maths as the SDPA path (``is_causal``)."""
+    import torch
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    return model.get_attention_masks(positions=positions)

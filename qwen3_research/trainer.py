@@ -7,6 +7,7 @@ memory is gathered from every rank.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from qwen3_research import device as devices
 from qwen3_research.config import RunConfig
 
 
-from qwen3_research.errors import TrainingError  # noqa: F401  (re-exported for callers)
+from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
 
 
 @dataclass
@@ -68,10 +69,16 @@ class Trainer:
         from qwen3_research.config import resolve_batch_size
 
         cfg.data.batch_size = resolve_batch_size(cfg, self.degrees.dp)
+        # W&B's config and summary.json record the value used (data.global_batch_tokens derives it).
+        resolved_config = {**resolved_config, "data": {**resolved_config.get("data", {}), "batch_size": cfg.data.batch_size}}
 
         # Data.
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
         self.data = PackedDataset(cfg.data, self.tokenizer)
+        self._check_data_fits()
+        from qwen3_research.rundir import data_layout
+
+        self.data_layout = data_layout(cfg, self.dp_size, cfg.data.batch_size, self.tokenizer.sha256, self.data)
 
         # Model: build (seeded), kernel overrides, shard, compile.
         tt = parallel.torchtitan_training_configs(
@@ -104,6 +111,11 @@ class Trainer:
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
         self.step = 0
         self.skipped_steps: list[int] = []  # steps skipped under training.nan_policy=skip
+        from qwen3_research.metrics import StepTimer
+
+        self.timer = StepTimer()
+        self.last_record: dict = {}  # the last logged record (final_loss)
+        self.last_eval_loss: float | None = None
         self.state_bytes: dict | None = None
         self.checkpointer = self._build_checkpointer()
         self.sinks = self._build_sinks(resolved_config)
@@ -119,6 +131,38 @@ class Trainer:
         rows = [None] * self.world_size
         torch.distributed.all_gather_object(rows, row)
         return rows
+    def _check_data_fits(self) -> None:
+        """A global batch larger than the data is refused; no held-out documents turns evaluation off."""
+        t, d = self.cfg.training, self.cfg.data
+        per_step = d.batch_size * self.dp_size * t.grad_accum
+        if per_step > len(self.data.train):
+            raise ConfigError(
+                f"data.batch_size={d.batch_size} × dp {self.dp_size} × training.grad_accum={t.grad_accum} = {per_step} "
+                f"sequences per step, but the data holds only {len(self.data.train)} training sequences of "
+                f"data.seq_len+1={d.seq_len + 1} tokens; lower data.batch_size (or data.seq_len), or add data"
+            )
+        if self.cfg.optimizer.warmup_steps > t.steps and self.is_main:
+            print(f"warning: optimizer.warmup_steps={self.cfg.optimizer.warmup_steps} > training.steps={t.steps}: the "
+                  "learning rate never reaches optimizer.lr in this run", file=sys.stderr, flush=True)
+        self.eval_every = t.eval_every
+        if t.eval_every and len(self.data.val) == 0:
+            self.eval_every = 0
+            if self.is_main:
+                print(f"warning: no held-out documents (data.val_fraction={d.val_fraction}, {self.data.num_documents} "
+                      "documents); evaluation is off for this run (training.eval_every ignored)", file=sys.stderr, flush=True)
+
+    def progress_state(self) -> dict:
+        """Everything the summary reports that a resumed run must carry on (saved in every checkpoint)."""
+        return {"skipped_steps": list(self.skipped_steps), "final_loss": self.last_record.get("loss"),
+                "final_eval_loss": self.last_eval_loss, "timer": self.timer.state()}
+
+    def load_progress_state(self, state: dict) -> None:
+        self.skipped_steps = list(state.get("skipped_steps", []))
+        if state.get("final_loss") is not None:
+            self.last_record = {"loss": state["final_loss"]}
+        self.last_eval_loss = state.get("final_eval_loss")
+        if state.get("timer"):
+            self.timer.load(state["timer"])
 
     def _dp_coordinates(self) -> tuple[int, int]:
         if not self.degrees.sharded or self.degrees.dp == 1:
@@ -147,12 +191,18 @@ class Trainer:
             return Sinks([])
         lc = self.cfg.logging
         resuming = bool(self.cfg.checkpoint.resume)
+        ck = self.cfg.checkpoint
+        self._jsonl = JsonlSink(self.run_dir / "metrics.jsonl", append=resuming)
+        self._wandb = None
         sinks = [
             ConsoleSink(self.cfg.training.steps, lc.progress_bar, lc.print_config),
-            JsonlSink(self.run_dir / "metrics.jsonl", append=resuming),
+            self._jsonl,
+            # With periodic checkpoints W&B receives rows when a checkpoint holds them, so a run killed
+            # and resumed logs every step once in its one W&B run.
             WandbSink(lc.wandb, self.run_dir, self.info.wandb_group, self.info.wandb_name or self.run_dir.name,
-                      swept=self.info.swept),
+                      swept=self.info.swept, hold_until_commit=bool(ck.enable and ck.every)),
         ]
+        self._wandb = sinks[-1]
         self._resolved_config = resolved_config
         return Sinks(sinks)
 
@@ -248,22 +298,21 @@ class Trainer:
             "tokens": self.data.num_tokens,
             "train_samples": len(self.data.train),
             "val_samples": len(self.data.val),
+            "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
         }
 
     def train(self) -> dict:
-        from qwen3_research.metrics import StepTimer
-
         cfg, t = self.cfg, self.cfg.training
         if self.checkpointer is not None:
             self.checkpointer.maybe_resume()
+        if self.is_main and cfg.checkpoint.resume:
+            self._wandb.replay = self._jsonl.cut_back(self.step)  # steps after the checkpoint are trained again
         if self.is_main:
             self.sinks.start(self._resolved_config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(self._compute_dtype())
-        timer = StepTimer()
-        last: dict = {}
-        eval_loss = None
+        timer = self.timer
         self.backend.model.train()
         from qwen3_research.signals import Interrupted, StopOnSignal
 
@@ -281,15 +330,18 @@ class Trainer:
                     record = None
                     if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
-                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                        eval_loss = self.evaluate()
+                    if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
+                        self.last_eval_loss = self.evaluate()
                         record = record or {"step": self.step}
-                        record["eval_loss"] = eval_loss
+                        record["eval_loss"] = self.last_eval_loss
                     if record is not None and self.is_main:
                         self.sinks.log(record)
-                        last = record
+                        if "loss" in record:
+                            self.last_record = record
                     if self.checkpointer is not None:
                         self.checkpointer.maybe_save(self.step)
+                        if self.is_main and self.checkpointer.last_saved == self.step:
+                            self.sinks.commit()
                     signum = stop.requested()
                     if signum and self.step < t.steps:
                         raise Interrupted(signum, self.step, self._save_now())
@@ -301,7 +353,9 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.finish()
         summary = {
-            "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
+            "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": self.last_record.get("loss"),
+            "final_eval_loss": self.last_eval_loss, "batch_size": cfg.data.batch_size,
+            "global_batch_tokens": tokens_per_step,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
         if self.is_main:

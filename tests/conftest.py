@@ -68,3 +68,21 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+def wandb_history(run_dir: Path) -> tuple[set[str], list[int]]:
+    """Every offline W&B segment under run_dir (a resumed run adds one per start), through W&B's own reader:
+    the run ids their run records name, and the train/step of every history row, in file order."""
+    ids, steps = set(), []
+    for f in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(f)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        for line in out.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if rec["type"] == "run":
+                ids.add(rec["run"]["run_id"])
+            elif rec["type"] == "history":
+                steps.append(int(rec["history"]["item"]["train/step"]))
+    return ids, steps

@@ -63,10 +63,24 @@ def test_secrets_never_reach_the_run_directory(tmp_path):
     assert "<redacted>" in proc.stdout  # the printed config shows the tag was redacted
 
 
-def test_trust_remote_code_is_off_by_default():
-    from qwen3_research.config import RunConfig
+def test_remote_code_in_a_model_directory_never_runs_by_default(tmp_path):
+    """An HF directory whose config.json maps the model to its own Python file (auto_map): model=hf loads
+    the built-in Qwen3 class and never imports that file unless model.trust_remote_code=true."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    assert RunConfig().model.trust_remote_code is False
+    marker = tmp_path / "remote_code_ran"
+    d = tmp_path / "remote"
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    config = json.loads((d / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import Qwen3Config as EvilConfig, Qwen3ForCausalLM as EvilModel\n")
+    proc = run_cli(QUICK + ["training.steps=1", "model=hf", f"model.path={d}"], run_dir=tmp_path / "r")
+    assert_ok(proc)
+    assert not marker.exists(), "the model directory's own code ran without model.trust_remote_code=true"
 
 
 # -- kill, interrupt, disk full, tampering ---------------------------------------------------------

@@ -30,6 +30,15 @@ class NativeQwen3(ModelBackend):
             raise ConfigError(
                 f"data.seq_len={seq_len} exceeds model.flavor={cfg.flavor}'s RoPE length {self.flavor.max_seq_len}"
             )
+        if cfg.attention == "flex" and device.type != "cuda":
+            from qwen3_research.config import ConfigError
+
+            raise ConfigError(
+                f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
+                f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
+            )
+        self.flex = cfg.attention == "flex"
+        self._masks: dict = {}
         self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
         if tt_parallelism is not None:
             titan.apply_parallelism_plans(self.model_config, tt_parallelism)
@@ -64,7 +73,12 @@ class NativeQwen3(ModelBackend):
         self._initialized = True
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(inputs)
+        if not self.flex:
+            return self.model(inputs)
+        key = tuple(inputs.shape)
+        if key not in self._masks:  # one BlockMask per batch shape (causal: it does not depend on the tokens)
+            self._masks[key] = titan.flex_attention_masks(self.model, *key, inputs.device)
+        return self.model(inputs, attention_masks=self._masks[key])
 
     def parallelize(self, parallel_dims, tt) -> None:
         """Shard with torchtitan's Qwen3 plan; ``tt`` holds torchtitan's config objects."""

@@ -1,0 +1,303 @@
+"""A run directory has one owner and one history.
+
+- ``check_run_dir``: before anything is written (in ``__main__`` before Hydra creates the directory,
+  and again in ``launch.run``), refuse a directory that is a file, is locked by a live process, already
+  holds a run that the command does not resume (``checkpoint.resume``) or discard
+  (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
+  to resume is ``AlreadyComplete`` (exit 0, nothing written).
+- ``RunDirLock``: one process writes a run directory at a time (an ``flock`` on ``.qwen3_research.lock``,
+  released by the kernel when its holder dies, so a stale lock of a dead pid is detected and taken over).
+  Only the process that writes the run files takes it: the launcher, rank 0 under torchrun, the first
+  Slurm node.
+- the W&B run id lives in ``wandb_run.json`` so a resumed run continues the same W&B run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from qwen3_research.errors import ConfigError
+
+LOCK_NAME = ".qwen3_research.lock"
+WANDB_STATE_FILE = "wandb_run.json"
+SUMMARY = "summary.json"
+
+
+class AlreadyComplete(Exception):
+    """A resume of a run that has nothing left to train: say so, exit 0, write nothing."""
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """What an earlier run left in ``run_dir`` (Hydra's own ``.hydra/`` and log, and the lock, do not count)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir()
+                  if p.name not in (".hydra", LOCK_NAME) and not (p.name.endswith(".log") and p.is_file()))
+
+
+def checkpoint_root(rc, run_dir: Path) -> Path:
+    root = Path(os.path.expanduser(rc.checkpoint.dir))
+    return root if root.is_absolute() else run_dir / root
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- data layout ------------------------------------------------------------------------------
+# What fixes the order of training samples, which exact resume relies on (data.train_batch).
+
+LAYOUT_FIELDS = ("seq_len", "global_batch_seqs", "source", "tokenizer_sha256", "files", "text_field", "hf",
+                 "val_fraction", "max_documents", "seed", "train_samples", "tokens")
+
+
+def data_layout(rc, dp: int, batch_size: int, tokenizer_sha256: str | None = None, dataset=None) -> dict:
+    d = rc.data
+    out = {
+        "seq_len": d.seq_len, "global_batch_seqs": batch_size * dp * rc.training.grad_accum, "source": d.source,
+        "files": d.files if d.source == "files" else None, "text_field": d.text_field if d.source == "files" else None,
+        "hf": ({k: getattr(d.hf, k) for k in ("name", "config_name", "split", "text_field", "max_documents")}
+               if d.source == "hf" else None),
+        "val_fraction": d.val_fraction, "max_documents": d.max_documents, "seed": rc.training.seed,
+    }
+    if tokenizer_sha256:
+        out["tokenizer_sha256"] = tokenizer_sha256
+    if dataset is not None:
+        out["train_samples"] = len(dataset.train)
+        out["tokens"] = dataset.num_tokens
+    return out
+
+
+def layout_differences(saved: dict | None, current: dict) -> list[str]:
+    if not saved:
+        return []
+    return [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in LAYOUT_FIELDS
+            if k in saved and k in current and saved[k] != current[k]]
+
+
+def refuse_layout_change(saved: dict | None, current: dict, ckpt: Path, allow: bool, quiet: bool = False) -> None:
+    diffs = layout_differences(saved, current)
+    if not diffs:
+        return
+    if allow:
+        if quiet:
+            return
+        print(f"warning: checkpoint.allow_data_change=true: resuming {ckpt} under another data layout "
+              f"({'; '.join(diffs)}); the data order differs from the original run", file=sys.stderr, flush=True)
+        return
+    raise ConfigError(
+        f"checkpoint.resume: {ckpt} was trained with another data layout ({'; '.join(diffs)}), so the run would not "
+        "continue its data order; resume with the same data settings, or accept it with checkpoint.allow_data_change=true"
+    )
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+
+def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> None:
+    """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing."""
+    from qwen3_research.checkpoint import find_checkpoint, read_meta
+
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another hydra.run.dir")
+    holder = lock_holder(run_dir)
+    if holder is not None:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
+            f"({LOCK_NAME}); wait for that run to end, or choose another hydra.run.dir"
+        )
+    ck = rc.checkpoint
+    root = checkpoint_root(rc, run_dir)
+    if not ck.resume:
+        existing = run_files(run_dir)
+        if not root.is_relative_to(run_dir):
+            from qwen3_research.checkpoint import list_checkpoints
+
+            existing += [str(p) for p in list_checkpoints(root)][-1:]
+        if existing and not ck.overwrite:
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} already holds a run ({', '.join(existing[:4])}); continue it with "
+                "checkpoint.resume=auto, choose another hydra.run.dir, or discard it with checkpoint.overwrite=true"
+            )
+        return
+    found = find_checkpoint(ck.resume, root, warn=True)
+    if found is not None:  # another model first: that is the error, whatever the step
+        from qwen3_research.checkpoint import preflight
+
+        preflight(rc, run_dir)
+    summary = read_summary(run_dir)
+    steps = rc.training.steps
+    if found is None:
+        if summary and summary.get("status") == "ok":
+            raise ConfigError(
+                f"checkpoint.resume={ck.resume}: {run_dir} holds a finished run ({summary.get('steps')} steps) but no "
+                f"checkpoint under {root} to continue from; choose another hydra.run.dir"
+            )
+        return
+    meta = read_meta(found)
+    step = int(meta.get("step", 0))
+    if step > steps:
+        raise ConfigError(
+            f"training.steps={steps} is below step {step} of the checkpoint {found}; set training.steps={step} "
+            "(nothing to do) or more to continue"
+        )
+    if step == steps:
+        raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
+                              "(raise training.steps to train further)")
+    if dp is not None and batch_size is not None:
+        from qwen3_research.data import tokenizer_path, _sha256
+        from qwen3_research import models
+
+        sha = _sha256(tokenizer_path(models.tokenizer_spec(rc)))
+        refuse_layout_change(meta.get("data_layout"), data_layout(rc, dp, batch_size, sha), found,
+                             rc.checkpoint.allow_data_change)
+
+
+def discard_earlier_run(rc, run_dir: Path) -> None:
+    """checkpoint.overwrite=true on a directory that holds a run: remove that run's files (under the lock)."""
+    from qwen3_research.checkpoint import list_checkpoints
+
+    gone = run_files(run_dir)
+    for name in gone:
+        p = run_dir / name
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    root = checkpoint_root(rc, run_dir)
+    for p in list_checkpoints(root):
+        shutil.rmtree(p)
+        gone.append(str(p))
+    if gone:
+        print(f"checkpoint.overwrite=true: removed the earlier run's {', '.join(gone[:6])} from {run_dir}",
+              file=sys.stderr, flush=True)
+
+
+# -- the lock ---------------------------------------------------------------------------------
+
+
+def _lock_info() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True
+    return True
+
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """The holder's {pid, host} while a live process holds the lock, else None (no lock, or a stale one)."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                return {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+class RunDirLock:
+    """Exclusive ownership of a run directory for this process's lifetime (or until ``release``)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = lock_holder(self.path.parent) or {}
+                raise ConfigError(
+                    f"hydra.run.dir={self.path.parent} is in use by pid {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')} ({LOCK_NAME}); wait for that run to end, or choose another hydra.run.dir"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder released (unlinked) it between our open and flock: try again
+        old = os.read(fd, 4096)
+        if old.strip():
+            try:
+                prev = json.loads(old)
+                print(f"note: took over a stale lock of pid {prev.get('pid')} on {prev.get('host')} "
+                      f"(not running) in {self.path.parent}", file=sys.stderr, flush=True)
+            except ValueError:
+                pass
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(_lock_info()).encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
+                self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# -- the W&B run -----------------------------------------------------------------------------
+
+
+def wandb_state(run_dir: Path) -> dict:
+    """This run directory's W&B run: {"id": made once, reused by every resume; "logged_through": the last
+    step a W&B segment delivered (its run.finish() returned)}."""
+    path = Path(run_dir) / WANDB_STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        if state.get("id"):
+            return state
+    except (OSError, ValueError):
+        pass
+    state = {"id": uuid.uuid4().hex[:16], "logged_through": 0}
+    write_wandb_state(run_dir, state)
+    return state
+
+
+def write_wandb_state(run_dir: Path, state: dict) -> None:
+    path = Path(run_dir) / WANDB_STATE_FILE
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state) + "\n")
+    os.replace(tmp, path)
