@@ -144,6 +144,11 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
+            from qwen3_research.loss import lm_loss
+
+            with self.device.autocast(self.cfg.training.mixed_precision):
+                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens)
         with self.device.autocast(self.cfg.training.mixed_precision):
             logits = self.forward(inputs)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
