@@ -76,8 +76,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[s:s + chunk]
             g = torch.matmul(h, weight.t()).float()  # recomputed logits, turned into d loss / d logits in place
             g.sub_(lse[s:s + chunk, None]).exp_()
-            rows = torch.nonzero(hit[s:s + chunk]).squeeze(1)
-            g[rows, local[s:s + chunk][rows]] -= 1.0
+            g.scatter_add_(1, local[s:s + chunk, None], -hit[s:s + chunk, None].float())  # static shapes (fake tensors)
             g.mul_((valid[s:s + chunk].float() * scale)[:, None])
             g = g.to(hidden.dtype) if hidden.dtype != torch.float32 else g
             grad_hidden[s:s + chunk] = torch.matmul(g, weight.to(g.dtype))

@@ -264,7 +264,12 @@ class Trainer:
                     self.device.synchronize()
                     t0 = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
-                    loss, grad_norm = self.train_step(self.step)
+                    if t.track_memory and self.step == 0:  # peak live tensor bytes of one step, per rank
+                        from qwen3_research.plan import track_step
+
+                        (loss, grad_norm), self.peak_live_bytes = track_step(self, lambda: self.train_step(self.step))
+                    else:
+                        loss, grad_norm = self.train_step(self.step)
                     self.device.synchronize()
                     dt = time.perf_counter() - t0
                     timer.add(dt)
@@ -295,6 +300,8 @@ class Trainer:
             "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": last.get("loss"), "final_eval_loss": eval_loss,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
+        if getattr(self, "peak_live_bytes", None):
+            summary["peak_live_bytes_per_rank"] = self.peak_live_bytes
         if self.is_main:
             self.sinks.finish(summary)
         return summary
