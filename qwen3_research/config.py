@@ -153,6 +153,13 @@ class TrainingConfig:
 
 
 @dataclass
+class SweepConfig:
+    plan: bool = True  # multirun: plan every point (qwen3_research.plan) before the first one starts
+    skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
+    resume: bool = True  # a point whose summary.json in the same sweep dir says ok is not run again
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -164,6 +171,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUP_SCHEMAS = {

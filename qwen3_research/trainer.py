@@ -29,6 +29,7 @@ class RunInfo:
     wandb_group: str | None = None
     wandb_name: str | None = None
     swept: dict = field(default_factory=dict)  # sweep point: overridden key -> value
+    prediction: dict = field(default_factory=dict)  # sweep point: its plan (qwen3_research.plan), in W&B config + summary
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -249,7 +250,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.maybe_resume()
         if self.is_main:
-            self.sinks.start(self._resolved_config, {**self.summary(), "plan": self.kernel_plan or "none"})
+            config = {**self._resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self._resolved_config
+            self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
         timer = StepTimer()
