@@ -3,9 +3,9 @@
 With Qwen3's 151,936-token vocabulary the logits are the largest activation of a step: 8,192
 tokens in fp32 are 4.6 GiB, and the full loss keeps them, their softmax and their gradient.
 Here the lm_head matmul runs inside one autograd function, ``training.loss_chunk_tokens``
-tokens at a time: the forward keeps only the per-token log-sum-exp (N floats), the backward
-recomputes each chunk's logits, turns them into the gradient in place and frees them before
-the next chunk. At most one chunk of logits (and one of its softmax) is alive at once.
+tokens at a time: each chunk's logits are turned into the loss and, in place, into their
+gradient, which is multiplied back into the hidden-state and lm_head gradients before the next
+chunk; at most one chunk of logits is alive at once (see ``_ChunkedLinearCrossEntropy``).
 
 Why not torchtitan's ``ChunkedLossWrapper`` (torchtitan 0.3.0, components/loss.py): it runs each
 chunk's backward *inside* the loss call, before the trainer has scaled the loss (1/grad_accum,
@@ -33,58 +33,64 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     hidden (N, D), weight (V_local, D) plain tensors; labels (N,) int64 with global vocabulary ids;
     ``group``/``vocab_start``: the tp process group and this rank's first vocabulary row (or None, 0).
+
+    The gradients are formed in the forward, chunk by chunk, while each chunk's logits are at hand
+    (as Liger-Kernel's fused linear cross-entropy does): three matmuls per chunk, the same count as
+    the full loss, instead of four with a recomputation in backward. What stays alive from forward to
+    backward is the hidden-state gradient (N × D) and an fp32 lm_head gradient buffer (V_local × D,
+    the size of the weight), never a (chunk × V) block. The backward only scales them by the
+    incoming gradient, so every factor the trainer applies to the loss reaches the lm_head too.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, group, vocab_start: int):
+    def forward(ctx, hidden, weight, labels, chunk: int, group, vocab_start: int, need_grad: bool):
         n, v_local = hidden.shape[0], weight.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < v_local)
         local = local.clamp(0, v_local - 1)
-        for s in range(0, n, chunk):
-            logits = torch.matmul(hidden[s:s + chunk], weight.t()).float()
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=1)
-            target[s:s + chunk] = logits.gather(1, local[s:s + chunk, None]).squeeze(1)
-            del logits
-        target = torch.where(in_shard, target, torch.zeros_like(target))
-        if group is not None:  # vocabulary-parallel: combine the per-shard log-sum-exps and targets
-            peak = lse.clone()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            sums = torch.exp(lse - peak)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            lse_local = lse
-            lse = peak + torch.log(sums)
-            del lse_local
-            dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
         valid = labels != IGNORE_INDEX
-        count = valid.sum().clamp(min=1)
-        loss = torch.where(valid, lse - target, torch.zeros_like(lse)).sum() / count
-        ctx.save_for_backward(hidden, weight, labels, lse, local, in_shard & valid, valid, count)
-        ctx.chunk, ctx.group = chunk, group
-        return loss
+        count = valid.sum().clamp(min=1).float()
+        hit = (in_shard & valid).float()
+        weigh = valid.float() / count
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        with torch.no_grad():
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                h = hidden[s:e]
+                logits = torch.matmul(h, weight.t()).float()
+                lse = torch.logsumexp(logits, dim=1)
+                target = logits.gather(1, local[s:e, None]).squeeze(1) * hit[s:e]
+                if group is not None:  # vocabulary-parallel: combine the per-shard log-sum-exps and targets
+                    peak = lse.clone()
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+                    sums = torch.exp(lse - peak)
+                    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+                    lse = peak + torch.log(sums)
+                    dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+                total += ((lse - target) * weigh[s:e]).sum()
+                if need_grad:  # d loss / d logits = (softmax - onehot) × valid / count, in place of the logits
+                    g = logits.sub_(lse[:, None]).exp_()
+                    g.scatter_add_(1, local[s:e, None], -hit[s:e, None])
+                    g.mul_(weigh[s:e, None])
+                    gh = g.to(hidden.dtype) if hidden.dtype != torch.float32 else g
+                    grad_hidden[s:e] = torch.matmul(gh, weight.to(gh.dtype))
+                    grad_weight.addmm_(g.t(), h.float())
+                    del g, gh
+                del logits
+        if need_grad and group is not None:  # each tp rank holds the contribution of its vocabulary slice
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=group)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.weight_dtype = weight.dtype
+        return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, labels, lse, local, hit, valid, count = ctx.saved_tensors
-        chunk, group = ctx.chunk, ctx.group
-        scale = (grad_loss / count).float()
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            g = torch.matmul(h, weight.t()).float()  # recomputed logits, turned into d loss / d logits in place
-            g.sub_(lse[s:s + chunk, None]).exp_()
-            g.scatter_add_(1, local[s:s + chunk, None], -hit[s:s + chunk, None].float())  # static shapes (fake tensors)
-            g.mul_((valid[s:s + chunk].float() * scale)[:, None])
-            g = g.to(hidden.dtype) if hidden.dtype != torch.float32 else g
-            grad_hidden[s:s + chunk] = torch.matmul(g, weight.to(g.dtype))
-            grad_weight.addmm_(g.t().float(), h.float())
-            del g
-        if group is not None:  # each tp rank holds the contribution of its vocabulary slice
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss.float()).to(ctx.weight_dtype),
+                None, None, None, None, None)
 
 
 def _vocab_sharding(weight) -> tuple[torch.Tensor, object, int]:
@@ -118,8 +124,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     w_local, group, start = _vocab_sharding(weight)
     if w_local.dtype != hidden.dtype:  # autocast: the matmul runs in the activations' dtype, as F.linear would
         w_local = w_local.to(hidden.dtype)
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or w_local.requires_grad)  # not under eval's no_grad
     return _ChunkedLinearCrossEntropy.apply(
-        hidden.flatten(0, 1), w_local, labels.flatten(), max(1, int(chunk_tokens)), group, start
+        hidden.flatten(0, 1), w_local, labels.flatten(), max(1, int(chunk_tokens)), group, start, need_grad
     )
 
 
