@@ -166,8 +166,16 @@ def _task(cfg: DictConfig):
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()
     multirun = hc.mode.name == "MULTIRUN"
+    prediction = None
+    if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.sweep)
+        from qwen3_research.sweep import prepare_point
+
+        done, prediction = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        if done is not None:
+            return done
     try:
-        summary = run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name, swept=swept)
+        summary = run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name, swept=swept,
+                      prediction=prediction)
         if multirun and "optuna" in str(hc.sweeper.get("_target_", "")):
             # Optuna minimises what the task returns: the held-out loss when there is one.
             return summary.get("final_eval_loss") or summary["final_loss"]

@@ -118,7 +118,8 @@ def swept_keys(runs: list[RunRecord]) -> list[str]:
 
 def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
     keys = swept_keys(runs)
-    header = ["run", *keys, "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank", "status"]
+    header = ["run", *keys, "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank",
+              "predicted_peak_gib", "measured_live_peak_gib", "status"]
     body = []
     for r in runs:
         peaks = r.peak_mem_per_rank()
@@ -126,6 +127,8 @@ def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
             r.name, *[r.overrides.get(k, "") for k in keys],
             r.final_loss(), r.best_eval_loss(), r.tokens_per_s(), r.mfu(),
             " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) if peaks else None,
+            (r.summary.get("prediction") or {}).get("predicted_peak_gib"),
+            max(r.summary["peak_live_bytes_per_rank"]) / 1024**3 if r.summary.get("peak_live_bytes_per_rank") else None,
             r.status if r.status == "ok" else f"{r.status}: {r.reason}".rstrip(": "),
         ])
     return header, body

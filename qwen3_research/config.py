@@ -98,6 +98,7 @@ class DataConfig:
 class DeviceConfig:
     type: str = "auto"  # auto | cpu | cuda | neuron
     lnc: Optional[int] = None  # neuron: logical NeuronCore config 1|2, exported to every worker; None = NEURON_LOGICAL_NC_CONFIG or 2
+    memory_gib: Optional[float] = None  # capacity per rank for planning (qwen3_research.plan); None = detected
 
 
 @dataclass
@@ -148,6 +149,16 @@ class TrainingConfig:
     mixed_precision: str = "none"  # none | bf16: autocast, float32 parameters and optimizer state, in every layout
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2"
+    loss: str = "full"  # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss)
+    loss_chunk_tokens: int = 1024  # training.loss=chunked: tokens per chunk (logits alive: this × vocab floats)
+    track_memory: bool = False  # record the peak live tensor bytes per rank (torch's MemTracker) in summary.json
+
+
+@dataclass
+class SweepConfig:
+    plan: bool = True  # multirun: plan every point (qwen3_research.plan) before the first one starts
+    skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
+    resume: bool = True  # a point whose summary.json in the same sweep dir says ok is not run again
 
 
 @dataclass
@@ -162,6 +173,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUP_SCHEMAS = {
@@ -301,4 +313,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("training.grad_accum", t.grad_accum)
     _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
+    _choice("training.loss", t.loss, {"full", "chunked"})
+    _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
+    if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:
+        raise ConfigError(
+            f"device.memory_gib must be > 0 (GiB per rank, e.g. 24 for a trn2 rank at LNC=2), got "
+            f"{cfg.device.memory_gib}; or leave it unset to use the detected capacity"
+        )
     return cfg

@@ -151,7 +151,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
 
 
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
-        swept: dict | None = None) -> dict:
+        swept: dict | None = None, prediction: dict | None = None) -> dict:
     """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
     from qwen3_research import models, titan
     from qwen3_research.parallel import validate_degrees
@@ -187,12 +187,13 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
 
             preflight(rc, run_path)
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
-                       wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {})
+                       wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
+                       prediction=prediction or {})
         if under_torchrun() or rc.parallelism.nproc_per_node * rc.parallelism.nnodes == 1:
             summary = worker(resolved, asdict(info))
         else:
             summary = _elastic(resolved, info, rc)
-        summary = {**summary, "wall_s": time.perf_counter() - t0}
+        summary = {**summary, "wall_s": time.perf_counter() - t0, **({"prediction": prediction} if prediction else {})}
         if _writes_run_files():
             _write_summary(run_path, summary)
         return summary
@@ -208,7 +209,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         if _writes_run_files() and not keep_existing:
             _write_summary(run_path, {"status": "interrupted" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "failed",
                                       "reason": reason.splitlines()[0] if reason else type(e).__name__,
-                                      "wall_s": time.perf_counter() - t0})
+                                      "wall_s": time.perf_counter() - t0, **({"prediction": prediction} if prediction else {})})
         if not isinstance(e, (*clean, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)
         raise

@@ -62,11 +62,14 @@ def swept_config_fields(swept: dict[str, str]) -> dict[str, Any]:
 
 
 class SweepReport(Callback):
-    """At the end of a multirun: comparison table and plots in the sweep dir, sweep.json with
-    the wall time, and exit status 3 when any point failed."""
+    """Before a multirun: the plan of every point (``sweep.plan``, printed, ``plan.json``). At its end:
+    comparison table and plots in the sweep dir, sweep.json with the wall time; exit status 3 when
+    any point failed, else 5 when points predicted not to fit were skipped, else 0."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.t0 = time.perf_counter()
+        if config.get("sweep") is not None and config.sweep.plan:
+            plan_points(config, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from qwen3_research.compare import EXIT_SOME_FAILED, report
@@ -78,9 +81,133 @@ class SweepReport(Callback):
         runs = report([sweep_dir], sweep_dir)
         point_s = [r.summary.get("wall_s") for r in runs]
         (sweep_dir / "sweep.json").write_text(json.dumps({
-            "wall_s": wall, "points": len(runs), "failed": sum(r.status != "ok" for r in runs),
+            "wall_s": wall, "points": len(runs), "failed": sum(r.status not in ("ok", "skipped") for r in runs),
+            "skipped": sum(r.status == "skipped" for r in runs),
             "points_wall_s": point_s,
         }, indent=1))
-        if any(r.status != "ok" for r in runs):
+        if any(r.status not in ("ok", "skipped") for r in runs):
             print(f"sweep finished with failed points (exit status {EXIT_SOME_FAILED})", file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_FAILED)
+        if any(r.status == "skipped" for r in runs):
+            print(f"sweep finished; points predicted not to fit were skipped (exit status {EXIT_SOME_SKIPPED})",
+                  file=sys.stderr, flush=True)
+            sys.exit(EXIT_SOME_SKIPPED)
+
+
+# -- plan first, resume (issue 15) ---------------------------------------------------------------
+# Exit status of a sweep whose points all ran ok or were skipped as predicted not to fit (some were).
+EXIT_SOME_SKIPPED = 5
+PLAN_FILE = "plan.json"
+
+
+def _point_key(overrides) -> str:
+    return json.dumps(sorted(str(o) for o in overrides))
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Every point's overrides as Hydra's basic sweeper will run them; None for other sweepers (Optuna)."""
+    from omegaconf import OmegaConf
+
+    hc = config.hydra
+    if "BasicSweeper" not in str(hc.sweeper.get("_target_", "")):
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
+    args = [f"{k}={v}" for k, v in (params or {}).items()] + list(hc.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(args)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
+    """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry."""
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.plan import compose, make_plan
+
+    jobs = sweep_jobs(config)
+    if not jobs:
+        return {}
+    entries = {}
+    rows = []
+    for num, job in enumerate(jobs):
+        label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
+        try:
+            plan = make_plan(compose(list(job)))
+            entry = plan.as_dict()
+        except ConfigError as e:
+            entry = {"error": f"config error: {e}"}
+        except Exception as e:  # noqa: BLE001 - a plan that cannot be made must not stop the sweep
+            entry = {"error": f"plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        entries[_point_key(job)] = {"num": num, "overrides": list(job), **entry}
+        rows.append((num, label, entry))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / PLAN_FILE).write_text(json.dumps(entries, indent=1))
+    echo("sweep plan (predicted peak live tensor bytes per rank, before any point starts):")
+    for num, label, e in rows:
+        if "error" in e:
+            echo(f"  {num:>3}  {label}: {e['error']}")
+        else:
+            echo(f"  {num:>3}  {label}: {e['predicted_peak_gib']:.3f} GiB of {e['capacity_gib']:.2f} GiB -> {e['verdict']}")
+    sys.stdout.flush()
+    return entries
+
+
+def _is_point_override(override: str, config: DictConfig) -> bool:
+    key = override.split("=", 1)[0].lstrip("+~")
+    return not key.startswith("hydra.") and key != "logging.wandb.mode"
+
+
+def _move_previous_attempt(run_dir: Path) -> Path | None:
+    """A point run again: its earlier attempt's files (all but Hydra's .hydra/ and log) go to
+    <sweep dir>/.previous_attempts/<point>/<n>/, so the point starts in a clean run dir and nothing is lost."""
+    leftovers = [p for p in run_dir.iterdir() if p.name != ".hydra" and not p.name.endswith(".log")]
+    if not leftovers:
+        return None
+    root = run_dir.parent / ".previous_attempts" / run_dir.name
+    n = 1
+    while (root / str(n)).exists():
+        n += 1
+    dest = root / str(n)
+    dest.mkdir(parents=True)
+    for p in leftovers:
+        p.rename(dest / p.name)
+    return dest
+
+
+def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str) -> tuple[dict | None, dict]:
+    """Before a sweep point starts: (its summary when it must not run, its prediction).
+
+    Skips a point whose summary.json already says ok (``sweep.resume``), and a point planned
+    not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside.
+    """
+    run_path = Path(run_dir)
+    summary_path = run_path / "summary.json"
+    if cfg.sweep.resume and summary_path.is_file():
+        try:
+            old = json.loads(summary_path.read_text())
+        except ValueError:
+            old = {}
+        if old.get("status") == "ok":
+            print(f"sweep point {run_path.name}: already ok (summary.json), not run again", flush=True)
+            return old, old.get("prediction") or {}
+    entry = {}
+    plan_path = Path(sweep_dir) / PLAN_FILE
+    if plan_path.is_file():
+        entry = json.loads(plan_path.read_text()).get(_point_key(task_overrides), {})
+    prediction = {k: v for k, v in entry.items() if k not in ("num", "overrides")}
+    if run_path.is_dir():
+        moved = _move_previous_attempt(run_path)
+        if moved is not None:
+            print(f"sweep point {run_path.name}: earlier attempt moved to {moved}", flush=True)
+    if "verdict" in prediction and prediction["verdict"] == "does not fit" and cfg.sweep.skip_infeasible:
+        reason = (f"predicted {prediction['predicted_peak_gib']:.2f} GiB > {prediction['capacity_gib']:.2f} GiB per rank "
+                  "(sweep.skip_infeasible=false runs it anyway)")
+        summary = {"status": "skipped", "reason": reason, "prediction": prediction}
+        run_path.mkdir(parents=True, exist_ok=True)
+        tmp = run_path / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(summary_path)
+        print(f"sweep point {run_path.name}: skipped: {reason}", flush=True)
+        return summary, prediction
+    return None, prediction

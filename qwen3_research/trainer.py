@@ -30,6 +30,7 @@ class RunInfo:
     wandb_group: str | None = None
     wandb_name: str | None = None
     swept: dict = field(default_factory=dict)  # sweep point: overridden key -> value
+    prediction: dict = field(default_factory=dict)  # sweep point: its plan (qwen3_research.plan), in W&B config + summary
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -208,6 +209,11 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
+            from qwen3_research.loss import lm_loss
+
+            with self.device.autocast(self.cfg.training.mixed_precision):
+                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens)
         with self.device.autocast(self.cfg.training.mixed_precision):
             logits = self.forward(inputs)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
@@ -309,7 +315,8 @@ class Trainer:
         if self.is_main and cfg.checkpoint.resume:
             self._wandb.replay = self._jsonl.cut_back(self.step)  # steps after the checkpoint are trained again
         if self.is_main:
-            self.sinks.start(self._resolved_config, {**self.summary(), "plan": self.kernel_plan or "none"})
+            config = {**self._resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self._resolved_config
+            self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(self._compute_dtype())
         timer = self.timer
@@ -322,7 +329,12 @@ class Trainer:
                     self.device.synchronize()
                     t0 = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
-                    loss, grad_norm = self.train_step(self.step)
+                    if t.track_memory and self.step == 0:  # peak live tensor bytes of one step, per rank
+                        from qwen3_research.plan import track_step
+
+                        (loss, grad_norm), self.peak_live_bytes = track_step(self, lambda: self.train_step(self.step))
+                    else:
+                        loss, grad_norm = self.train_step(self.step)
                     self.device.synchronize()
                     dt = time.perf_counter() - t0
                     timer.add(dt)
@@ -358,6 +370,8 @@ class Trainer:
             "global_batch_tokens": tokens_per_step,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
+        if getattr(self, "peak_live_bytes", None):
+            summary["peak_live_bytes_per_rank"] = self.peak_live_bytes
         if self.is_main:
             self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)

@@ -158,6 +158,20 @@ class HFCausalLM(ModelBackend):
         if tied:  # both are vocab-sharded (Shard(0)); restore the single shared parameter
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
 
+    # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
+    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(B, L, hidden) after the final norm, from the whole model's forward (so FSDP's root unit gathers
+        the lm_head weight) with ``lm_head`` swapped for an identity during the call."""
+        lm_head = self.model.lm_head
+        self.model.lm_head = nn.Identity()
+        try:
+            return self.model(input_ids=inputs, use_cache=False).logits
+        finally:
+            self.model.lm_head = lm_head
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
 
 class _HeadShardedNorm(ParallelStyle):
     """Replicated weight; input and output sharded on dim 2 (attention heads), handed on as local tensors."""

@@ -98,3 +98,17 @@ class NativeQwen3(ModelBackend):
         if self.is_moe:
             titan.register_moe_load_balancing_hook(optimizer, self.model, parallel_dims)
 
+
+    # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
+    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(B, L, dim) after the final norm: torchtitan's own ``_skip_lm_head`` switch for chunked losses."""
+        inner = getattr(self.model, "_orig_mod", self.model)  # under torch.compile
+        inner._skip_lm_head = True
+        try:
+            return self.model(inputs)
+        finally:
+            inner._skip_lm_head = False
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The lm_head weight as the step sees it (FSDP keeps the norm+lm_head unit gathered after forward)."""
+        return getattr(self.model, "_orig_mod", self.model).lm_head.weight

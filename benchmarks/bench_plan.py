@@ -1,0 +1,95 @@
+"""Plan vs measurement: predicted per-rank peak live tensor bytes against the real run's own peak.
+
+For each configuration, ``python -m qwen3_research.plan`` traces one step on fake tensors (no
+run), and a real run of the same config (``training.steps=1 training.track_memory=true``) measures
+its first step with PyTorch's MemTracker in every rank and writes ``peak_live_bytes_per_rank`` to
+summary.json. The table shows both per rank and their ratio (acceptance: within 15 %).
+
+    python benchmarks/bench_plan.py            # all configurations (about 10 minutes on 2 cores)
+    python benchmarks/bench_plan.py --quick    # the first two
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+COMMON = ["model.flavor=tiny", "training.eval_every=0", "logging.wandb.mode=disabled", "logging.print_config=false",
+          "logging.progress_bar=false", "device=cpu"]
+CONFIGS = [
+    ("dense single s128 full-loss AC none", ["model=native", "data.seq_len=128", "data.batch_size=4"]),
+    ("moe fsdp2 s128 chunked AC none", ["model=native_moe", "parallelism=fsdp", "data.seq_len=128", "data.batch_size=2",
+                                        "training.loss=chunked", "training.loss_chunk_tokens=64"]),
+    ("dense single s2048 chunked AC full", ["model=native", "data.seq_len=2048", "data.batch_size=2",
+                                            "parallelism.activation_checkpoint=full", "training.loss=chunked"]),
+    ("dense fsdp2 s512 full-loss AC none", ["model=native", "parallelism=fsdp", "data.seq_len=512", "data.batch_size=2"]),
+    ("dense tp2 s256 chunked AC none", ["model=native", "parallelism=tp2", "data.seq_len=256", "data.batch_size=2",
+                                        "training.loss=chunked", "training.loss_chunk_tokens=128"]),
+    ("moe single s256 full-loss AC full", ["model=native_moe", "data.seq_len=256", "data.batch_size=2",
+                                           "parallelism.activation_checkpoint=full"]),
+    ("dense single s1024 full-loss AC none", ["model=native", "data.seq_len=1024", "data.batch_size=1"]),
+]
+GIB = 1024**3
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "HYDRA_"))}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        e.pop(k, None)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def predict(overrides: list[str]) -> dict[int, int]:
+    """Per-rank predicted peak bytes (rank 0 and the largest rank), from the plan CLI's JSON line."""
+    out = subprocess.run([sys.executable, "-m", "qwen3_research.plan", "--json", *COMMON, *overrides], cwd=ROOT,
+                         env=env(), capture_output=True, text=True, timeout=900)
+    if out.returncode not in (0, 4):
+        raise RuntimeError(f"plan failed ({out.returncode}): {out.stderr[-2000:]}")
+    data = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+    return {int(k): v for k, v in data["per_rank_peak_bytes"].items()}
+
+
+def measure(overrides: list[str], run_dir: Path) -> list[int]:
+    out = subprocess.run([sys.executable, "-m", "qwen3_research", *COMMON, *overrides, "training.steps=1",
+                          "training.track_memory=true", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"run failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text())["peak_live_bytes_per_rank"]
+
+
+def compare(overrides: list[str]) -> list[tuple[int, int, int]]:
+    """[(rank, predicted bytes, measured bytes)] for the ranks the plan traces."""
+    predicted = predict(overrides)
+    with tempfile.TemporaryDirectory(prefix="qwen3_bench_plan_") as d:
+        measured = measure(overrides, Path(d) / "run")
+    return [(r, p, measured[r]) for r, p in sorted(predicted.items())]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    configs = CONFIGS[:2] if args.quick else CONFIGS
+    print("| config | rank | predicted GiB | measured GiB | predicted / measured |")
+    print("|---|---|---|---|---|")
+    worst = 0.0
+    for name, overrides in configs:
+        for rank, p, m in compare(overrides):
+            worst = max(worst, abs(p / m - 1))
+            print(f"| {name} | {rank} | {p / GIB:.4f} | {m / GIB:.4f} | {p / m:.3f} |", flush=True)
+    print(f"largest deviation {100 * worst:.1f} % (acceptance: <= 15 %)")
+    return 0 if worst <= 0.15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""``python -m qwen3_research.plan [the same overrides as a run]``: per-rank memory and feasibility, on CPU.
+
+It traces one real training step (forward, loss, backward, gradient clipping, optimizer step) of
+this project's own Trainer -- model build, torchtitan sharding, kernel overrides, the configured
+loss -- on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
+(``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), once per rank role (rank 0 and the largest rank),
+so the prediction follows the code that will run. No tensor memory is allocated: 8B over 64
+ranks plans on a laptop. A closed-form estimate is printed beside it as a cross-check.
+
+``--json`` adds one JSON line after the table. Exit status: 0 fits (with headroom, or tight: peak above 85 % of the capacity), 4 does not fit,
+2 configuration error (the same one line as a run), 1 the trace itself failed.
+
+The same tracker measures a real run's first step with ``training.track_memory=true``
+(``peak_live_bytes_per_rank`` in summary.json), which is what the prediction is checked against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+EXIT_FITS = 0
+EXIT_DOES_NOT_FIT = 4
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+TIGHT_FRACTION = 0.85  # above this share of the capacity: "tight" (allocator fragmentation, runtime buffers)
+GIB = 1024**3
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    traced: dict  # category -> bytes at the traced peak (MemTracker's categories)
+    peak: int  # traced peak live tensor bytes
+    estimate: dict = field(default_factory=dict)  # closed form: category -> bytes, and "peak"
+
+
+@dataclass
+class Plan:
+    ranks: list[RankPlan]
+    capacity_gib: float
+    capacity_source: str
+    world_size: int
+    layout: str
+    tokens_per_step: int
+    flops_per_step: float
+    trace_s: float
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+    @property
+    def verdict(self) -> str:
+        frac = self.peak_gib / self.capacity_gib
+        if frac > 1.0:
+            return "does not fit"
+        return "tight" if frac > TIGHT_FRACTION else "fits with headroom"
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != "does not fit"
+
+    def as_dict(self) -> dict:
+        """What a run records (W&B config, summary.json) and a sweep compares."""
+        return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
+                "verdict": self.verdict, "per_rank_peak_gib": {r.rank: round(r.peak / GIB, 4) for r in self.ranks}}
+
+
+# -- the trace ---------------------------------------------------------------------------------
+_CATEGORIES = (("Parameter", "params"), ("Gradient", "grads"), ("Optstate", "optimizer"),
+               ("Activation", "activations"), ("Temp", "backward temps"), ("Buffer", "buffers"), ("Other", "other"))
+
+
+def _snapshot_bytes(tracker) -> tuple[dict, int]:
+    snap = tracker.get_tracker_snapshot("peak")
+    cats = {name: 0 for _, name in _CATEGORIES}
+    total = 0
+    for dev_snap in snap.values():
+        for key, name in _CATEGORIES:
+            cats[name] += int(dev_snap.get(key, 0) or dev_snap.get(_enum_key(key), 0))
+        total += int(dev_snap.get("Total", 0))
+    return cats, total
+
+
+def _enum_key(value: str):
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    for member in _MemRefType:
+        if member.value == value:
+            return member
+    return value
+
+
+def track_step(trainer, step_fn):
+    """Run ``step_fn`` (one training step of ``trainer``) under MemTracker; return (its result, peak bytes per rank).
+
+    Collective when the run has several ranks (every rank calls it at the same step).
+    """
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(trainer.backend.model, trainer.optimizer)
+    with tracker:
+        result = step_fn()
+    _, peak = _snapshot_bytes(tracker)
+    peaks = [peak]
+    if trainer.world_size > 1:
+        peaks = [None] * trainer.world_size
+        torch.distributed.all_gather_object(peaks, peak)
+    return result, peaks
+
+
+def _fake_step(trainer) -> None:
+    """The body of Trainer.train_step without the host reads (a fake tensor has no value)."""
+    import torch
+
+    t = trainer.cfg.training
+    cfg = trainer.cfg
+    b = cfg.data.batch_size
+    vocab = getattr(getattr(trainer.backend, "flavor", None), "vocab_size", None) or trainer.backend.vocab_size
+    for _ in range(t.grad_accum):
+        inputs = torch.randint(0, vocab, (b, cfg.data.seq_len), device=trainer.device.torch_device)
+        labels = torch.randint(0, vocab, (b, cfg.data.seq_len), device=trainer.device.torch_device)
+        loss = trainer._loss(inputs, labels) / t.grad_accum
+        (loss * trainer.loss_scale).backward()
+        del loss
+    trainer._clip_grad_norm(trainer.backend.model)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _meta_build_outside_fake_mode():
+    """The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
+    moved by ``to_empty`` when two modules share one (tied embeddings); plain meta ones can, and
+    ``to_empty`` under the fake mode then makes them fake CPU tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from qwen3_research import titan
+
+    build = titan.build_model
+
+    def build_unfaked(model_config):
+        with unset_fake_temporarily():
+            return build(model_config)
+
+    titan.build_model = build_unfaked
+    try:
+        yield
+    finally:
+        titan.build_model = build
+
+
+def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
+    """One training step of the real Trainer as ``rank`` of ``world``, on fake tensors; live tensor bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from qwen3_research.config import to_run_config
+    from qwen3_research.trainer import RunInfo, Trainer
+
+    env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    trainer = None
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if world > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _meta_build_outside_fake_mode(), \
+                FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
+            trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+            tracker = MemTracker()
+            tracker.track_external(trainer.backend.model, trainer.optimizer)
+            with tracker:
+                _fake_step(trainer)
+            cats, peak = _snapshot_bytes(tracker)
+        return RankPlan(rank, cats, peak)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# -- the closed form ---------------------------------------------------------------------------
+def estimate(rc, degrees, facts: dict) -> dict:
+    """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
+    from qwen3_research.models import get_flavor
+
+    if rc.model.backend == "hf":
+        return {}
+    f = get_flavor(rc.model.backend, rc.model.flavor)
+    d, hd, h, kv, v = f.dim, f.head_dim, f.n_heads, f.n_kv_heads, f.vocab_size
+    attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
+    ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
+    layer = attn + ffn
+    total = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2) + d
+    shard = degrees.dp_shard * degrees.tp
+    params = 4 * total / shard
+    tokens = rc.data.batch_size * rc.data.seq_len
+    tp, sp = degrees.tp, degrees.sequence_parallel
+    f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
+    # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
+    # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
+    per_token_layer = 4 * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
+    ac = rc.parallelism.activation_checkpoint
+    layers_act = tokens * per_token_layer * f.n_layers
+    if ac == "full":
+        layers_act = tokens * 4 * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
+    elif ac == "selective":
+        layers_act *= 0.6
+    mp = 2 if rc.training.mixed_precision == "bf16" else 4
+    if rc.training.loss == "chunked":
+        logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
+    else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
+        logits = tokens * v * (mp + 4 + 4)
+    gathered = 2 * 4 * layer / tp if degrees.dp_shard > 1 else 0  # one layer gathered, the next prefetched
+    out = {"params": params, "grads": params, "optimizer": 2 * params, "activations": layers_act,
+           "logits and loss": logits, "fsdp gathered": gathered}
+    # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
+    # the AdamW state, created at the first step), whichever is larger.
+    out["peak"] = params + max(layers_act + logits + gathered, 3 * params)
+    return {k: int(val) for k, val in out.items()}
+
+
+# -- the whole plan ----------------------------------------------------------------------------
+def compose(overrides: list[str]) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from qwen3_research.__main__ import CONF_DIR, format_compose_error
+    from qwen3_research.errors import ConfigError
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
+        raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def capacity(rc) -> tuple[float, str]:
+    if rc.device.memory_gib is not None:
+        return float(rc.device.memory_gib), "device.memory_gib"
+    from qwen3_research import device as devices
+
+    dtype = devices.resolve_device_type(rc.device.type)
+    return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
+
+
+def make_plan(resolved: dict) -> Plan:
+    """Validate like a run, then trace rank 0 and the largest rank."""
+    from qwen3_research import models
+    from qwen3_research.config import resolve_batch_size, to_run_config, validate
+    from qwen3_research.parallel import validate_degrees
+
+    rc = validate(to_run_config(resolved))
+    facts = models.describe(rc.model)
+    degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **facts)
+    rc.data.batch_size = resolve_batch_size(rc, degrees.dp)
+    cap, source = capacity(rc)
+    traced = dict(resolved)
+    traced["device"] = {**resolved["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
+    traced["logging"] = {**resolved["logging"], "wandb": {**resolved["logging"]["wandb"], "mode": "disabled"},
+                         "print_config": False, "progress_bar": False}
+    traced["checkpoint"] = {**resolved["checkpoint"], "enable": False, "resume": None, "export_hf": False}
+    traced["compile"] = {**resolved["compile"], "enable": False}
+    traced["training"] = {**resolved["training"], "track_memory": False}
+    traced["model"] = {**resolved["model"], "init_from": None}
+    t0 = time.perf_counter()
+    world = degrees.world_size
+    ranks = []
+    est = estimate(rc, degrees, facts)
+    for rank in sorted({0, world - 1}):
+        rp = trace_rank(traced, rank, world)
+        rp.estimate = est
+        ranks.append(rp)
+    tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
+    flops = _flops_per_token(rc) * tokens
+    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0)
+
+
+def _flops_per_token(rc) -> float:
+    """torchtitan's formula (6 × active matmul params + attention), from the flavor; NaN for hf."""
+    from qwen3_research.models import get_flavor
+
+    if rc.model.backend == "hf":
+        return float("nan")
+    f = get_flavor(rc.model.backend, rc.model.flavor)
+    d, hd = f.dim, f.head_dim
+    attn = d * (f.n_heads + 2 * f.n_kv_heads) * hd + f.n_heads * hd * d
+    ffn = (f.top_k * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
+    matmul = f.n_layers * (attn + ffn) + f.vocab_size * d
+    return 6 * matmul + 12 * f.n_layers * f.n_heads * hd * rc.data.seq_len
+
+
+def render(plan: Plan) -> str:
+    def g(x):
+        return f"{x / GIB:8.3f}"
+
+    lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
+             f"(forward+backward); traced in {plan.trace_s:.1f} s"]
+    head = "GiB per rank".ljust(22) + "".join(f"traced r{r.rank}".rjust(12) for r in plan.ranks) + "closed form".rjust(13)
+    lines += [head, "-" * len(head)]
+    est = plan.ranks[0].estimate
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("backward temps", "backward temps"), ("buffers", "buffers")]
+    for label, key in rows:
+        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for r in plan.ranks)
+                     + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
+    for key in ("logits and loss", "fsdp gathered"):
+        if key in est:
+            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(plan.ranks)) + g(est[key]).rjust(13))
+    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for r in plan.ranks)
+                 + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
+    lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
+                 f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
+                 f"{100 * plan.peak_gib / plan.capacity_gib:.0f} % of capacity)")
+    if not plan.fits:
+        worst = max(plan.ranks, key=lambda r: r.peak)
+        terms = sorted(worst.traced.items(), key=lambda kv: -kv[1])
+        lines.append(f"does not fit: rank {worst.rank} needs {plan.peak_gib:.2f} GiB > {plan.capacity_gib:.2f} GiB; "
+                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v > 0))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qwen3_research.errors import ConfigError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    as_json = "--json" in argv  # also one JSON line (per-rank bytes) after the table, for scripts
+    argv = [a for a in argv if a != "--json"]
+    try:
+        plan = make_plan(compose(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(render(plan), flush=True)
+    if as_json:
+        import json
+
+        print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": {r.rank: r.peak for r in plan.ranks},
+                          "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
+                          "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
+                          "flops_per_step": plan.flops_per_step}), flush=True)
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""python -m qwen3_research.plan, and sweeps that plan first and resume (issue 15).
+
+The plan traces one step of the real Trainer on fake tensors; a real run with training.track_memory=true
+measures its own first step. Points predicted not to fit are skipped before any worker starts; a sweep
+started again in the same sweep dir runs only the points that are not ok yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, ROOT, cli_env, read_metrics, run_cli, wandb_records
+
+QUICK = [a for a in FAST if not a.startswith(("training.steps", "logging.wandb"))]
+GIB = 1024**3
+
+
+def _plan(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return run_cli(args, module="qwen3_research.plan", timeout=timeout)
+
+
+def _json_line(proc) -> dict:
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("{")))
+
+
+def test_plan_small_run_fits_and_prints_the_table():
+    proc = _plan(["data.seq_len=64", "data.batch_size=2", "device.memory_gib=8", "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("params", "grads", "optimizer", "activations", "logits and loss", "peak (live tensors)",
+                "capacity per rank: 8.00 GiB (device.memory_gib)", "verdict: fits with headroom", "FLOPs/step"):
+        assert row in proc.stdout, row
+    data = _json_line(proc)
+    # tiny (dense, tied): 0.6M layer + 19.4M embedding params, fp32: the traced params are exactly these bytes
+    assert data["per_rank_traced_bytes"]["0"]["params"] == data["estimate_bytes"]["params"]
+    assert data["tokens_per_step"] == 128
+
+
+def test_8b_on_one_24_gib_rank_does_not_fit():
+    proc = _plan(["model.flavor=8B", "parallelism=single", "device.memory_gib=24", "data.seq_len=128",
+                  "data.batch_size=1"], timeout=900)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("does not fit"))
+    print(line)
+    # 8.2B fp32 params = 30.5 GiB alone; the largest terms come first
+    assert "> 24.00 GiB" in line and line.index("params") < line.index("activations")
+
+
+@pytest.mark.parametrize("bad", [["parallelism.tp=3"], ["device.memory_gib=0"], ["device.memory_gib=-1"]])
+def test_bad_input_is_the_same_one_line_as_a_run(bad, tmp_path):
+    plan = _plan(bad)
+    run = run_cli(QUICK + ["logging.wandb.mode=disabled"] + bad, run_dir=tmp_path / "run")
+    assert plan.returncode == run.returncode == 2
+    assert plan.stderr.strip() == run.stderr.strip() and len(plan.stderr.strip().splitlines()) == 1, (plan.stderr, run.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense single s128 full-loss AC none", "moe fsdp2 s128 chunked AC none"])
+def test_prediction_within_15_percent_of_the_measured_peak(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_plan
+
+    overrides = dict(bench_plan.CONFIGS)[name]
+    for rank, predicted, measured in bench_plan.compare(overrides):
+        print(f"{name} rank {rank}: predicted {predicted / GIB:.4f} GiB, measured {measured / GIB:.4f} GiB")
+        assert abs(predicted / measured - 1) <= 0.15
+
+
+def _sweep(args: list[str], sweep_dir: Path, **kw) -> subprocess.CompletedProcess:
+    return run_cli(["-m", *QUICK, "training.steps=2", f"hydra.sweep.dir={sweep_dir}", *args], **kw)
+
+
+def _point_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()), key=lambda d: int(d.name.split("_")[0]))
+
+
+@pytest.mark.slow
+def test_sweep_skips_a_point_predicted_not_to_fit(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # tiny at seq 32 x 2: ~0.3 GiB live; at seq 1024 x 2 the full-vocabulary logits alone are ~2.6 GiB (> 1 GiB)
+    proc = _sweep(["data.seq_len=32,1024", "device.memory_gib=1", "logging.wandb.mode=offline"], sweep_dir, timeout=900)
+    assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("sweep plan") < proc.stdout.index("sweep point 1_")  # planned before the point
+    ok, skipped = _point_dirs(sweep_dir)
+    s_ok = json.loads((ok / "summary.json").read_text())
+    s_skip = json.loads((skipped / "summary.json").read_text())
+    assert s_ok["status"] == "ok" and s_ok["prediction"]["verdict"] != "does not fit"
+    assert s_skip["status"] == "skipped" and s_skip["reason"].startswith("predicted ")
+    assert "GiB > 1.00 GiB per rank" in s_skip["reason"]
+    assert not (skipped / "metrics.jsonl").exists() and not (skipped / "wandb").exists()  # no worker started
+    cfg = next(r for r in wandb_records(ok) if r["type"] == "run")["run"]["config"]["update"]
+    assert cfg["memory_plan"]["predicted_peak_gib"] == s_ok["prediction"]["predicted_peak_gib"]
+    import csv
+
+    with open(sweep_dir / "comparison.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows[0]["status"] == "ok" and float(rows[0]["predicted_peak_gib"]) > 0
+    assert rows[1]["status"].startswith("skipped: predicted") and float(rows[1]["predicted_peak_gib"]) > 1
+    # and sweep.skip_infeasible=false runs it anyway
+    proc = _sweep(["data.seq_len=1024", "data.batch_size=1", "device.memory_gib=0.5", "sweep.skip_infeasible=false",
+                   "logging.wandb.mode=disabled"], tmp_path / "anyway", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (point,) = _point_dirs(tmp_path / "anyway")
+    summary = json.loads((point / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["prediction"]["verdict"] == "does not fit"
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_runs_only_the_remaining_points(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", *QUICK, "training.steps=2", "logging.wandb.mode=disabled", "sweep.plan=false",
+            "data.seq_len=16,32", "optimizer.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep_dir}"]
+    cmd = [sys.executable, "-m", "qwen3_research", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline:  # interrupt (SIGKILL) as soon as two points are ok
+            done = [p for p in sweep_dir.glob("*/summary.json") if json.loads(p.read_text()).get("status") == "ok"] \
+                if sweep_dir.is_dir() else []
+            if len(done) >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    first = {p.parent.name: p.stat().st_mtime_ns for p in sweep_dir.glob("*/summary.json")
+             if json.loads(p.read_text()).get("status") == "ok"}
+    assert len(first) == 2, f"the sweep was not interrupted after two points: {sorted(first)}"
+    again = run_cli(args, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already ok (summary.json), not run again") == 2
+    points = _point_dirs(sweep_dir)
+    assert len(points) == 4
+    for p in points:
+        summary = json.loads((p / "summary.json").read_text())
+        assert summary["status"] == "ok"
+        if p.name in first:  # not run again: same file
+            assert (p / "summary.json").stat().st_mtime_ns == first[p.name]
+        else:
+            assert [r["step"] for r in read_metrics(p) if "loss" in r] == [1, 2]
+    assert "4 ok, 0 failed" in again.stdout
