@@ -8,6 +8,10 @@ here, so a torchtitan change is a change to this file alone:
 - the device mesh (``parallel_dims``) and sharding (``parallelize_qwen3``: FSDP, TP/SP, EP, AC),
 - ``clip_grad_norm_``, the MoE load-balancing hook, the HF state-dict adapter, ``NoParallel``.
 
+It runs on torchtitan 0.3.x and on the 0.2.x API (upstream 0.2.2, AWS's torchtitan-neuron
+0.2.2+neuron.1), chosen by ``legacy()`` (a probe for a module, never the version string);
+``check_supported`` refuses at start-up, in one line, what the installed version cannot run.
+
 Import only after ``device.prepare_torchtitan`` (torchtitan reads the device at import).
 """
 
@@ -53,7 +57,8 @@ def _module_exists(name: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def legacy() -> bool:
     """True for the torchtitan 0.2.x API (ModelArgs + JobConfig), False for 0.3.x (Config objects)."""
-    return not _module_exists("torchtitan.models.common")
+    # torchtitan absent: the 0.3.x path, whose first import then names the missing package.
+    return _module_exists("torchtitan") and not _module_exists("torchtitan.models.common")
 
 
 def _needs() -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -135,9 +136,11 @@ def test_editable_install_without_deps(version, tmp_path):
     A copy of the project (so the build writes nothing into the checkout) into a fresh venv;
     --no-deps is how README installs it over a Neuron venv that already has torch.
     """
-    python = shutil.which(f"python{version}") or PYTHONS[version]
-    if not Path(python).exists():
-        pytest.skip(f"no python{version} on this machine")
+    # pyenv's shim on PATH fails unless that version is selected: take the first candidate that runs
+    candidates = [c for c in (shutil.which(f"python{version}"), PYTHONS[version]) if c]
+    python = next((c for c in candidates if subprocess.run([c, "-c", ""], capture_output=True).returncode == 0), None)
+    if python is None:
+        pytest.skip(f"no working python{version} on this machine (tried {candidates})")
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -151,7 +154,8 @@ def test_editable_install_without_deps(version, tmp_path):
     out = subprocess.run([str(venv / "bin" / "python"), "-c",
                           "import sys, importlib.metadata as m, qwen3_research.errors as e; "
                           "print(sys.version.split()[0], m.version('qwen3-research'), e.__file__)"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})  # the venv's own finding
     print(f"\npython{version}: pip install -e . --no-deps -> {out.stdout.strip()}")
     assert out.returncode == 0, out.stderr[-2000:]
     ver, dist, path = out.stdout.split()
