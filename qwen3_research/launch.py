@@ -139,7 +139,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         rc = validate(to_run_config(resolved))
         from qwen3_research.device import prepare_launch
 
-        prepare_launch(rc, resolved)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved
+        prepare_launch(rc)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved in rc
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
         resolve_batch_size(rc, degrees.dp)
         if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
