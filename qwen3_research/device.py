@@ -130,16 +130,15 @@ def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
     return resolve_nproc_per_node(-1, kind, resolve_lnc(None, kind))
 
 
-def prepare_launch(rc, resolved: dict | None = None) -> int | None:
+def prepare_launch(rc) -> int | None:
     """Before any worker (or runtime) starts: resolve and export the LNC, and resolve
-    ``nproc_per_node=-1`` in ``rc`` (and in ``resolved``, the dict workers receive). Returns the LNC."""
+    ``nproc_per_node=-1`` in ``rc`` (the launcher's copy; workers keep -1 and resolve it to the
+    world size they were started with, so the recorded config stays as configured). Returns the LNC."""
     kind = requested_device_kind(rc.device.type)
     lnc = resolve_lnc(rc.device.lnc, kind)
     export_lnc(lnc)
     n = resolve_nproc_per_node(rc.parallelism.nproc_per_node, kind, lnc)
     rc.parallelism.nproc_per_node = n
-    if resolved is not None:
-        resolved["parallelism"]["nproc_per_node"] = n
     return lnc
 
 

@@ -167,7 +167,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         rc = validate(to_run_config(resolved))
         from qwen3_research.device import prepare_launch
 
-        prepare_launch(rc, resolved)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved
+        prepare_launch(rc)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved in rc
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
         titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
         batch_size = resolve_batch_size(rc, degrees.dp)
