@@ -367,7 +367,7 @@ class Trainer:
         summary = {
             "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": self.last_record.get("loss"),
             "final_eval_loss": self.last_eval_loss, "batch_size": cfg.data.batch_size,
-            "global_batch_tokens": tokens_per_step,
+            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision,
             "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
         }
         if getattr(self, "peak_live_bytes", None):
