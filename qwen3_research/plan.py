@@ -143,24 +143,31 @@ def _fake_step(trainer) -> None:
 
 @contextlib.contextmanager
 def _meta_build_outside_fake_mode():
-    """The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
-    moved by ``to_empty`` when two modules share one (tied embeddings); plain meta ones can, and
-    ``to_empty`` under the fake mode then makes them fake CPU tensors."""
+    """The meta-device model build and the device mesh run with the fake mode paused: fake *meta*
+    parameters cannot be moved by ``to_empty`` when two modules share one (tied embeddings), plain meta
+    ones can (``to_empty`` under the fake mode then makes them fake CPU tensors); the mesh reads its
+    rank map with ``tolist``."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from qwen3_research import titan
 
-    build = titan.build_model
+    from qwen3_research import parallel
+
+    build, dims = titan.build_model, parallel.build_parallel_dims
 
     def build_unfaked(model_config):
         with unset_fake_temporarily():
             return build(model_config)
 
-    titan.build_model = build_unfaked
+    def dims_unfaked(*args, **kwargs):  # the device mesh reads its rank map on the host
+        with unset_fake_temporarily():
+            return dims(*args, **kwargs)
+
+    titan.build_model, parallel.build_parallel_dims = build_unfaked, dims_unfaked
     try:
         yield
     finally:
-        titan.build_model = build
+        titan.build_model, parallel.build_parallel_dims = build, dims
 
 
 def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
