@@ -68,3 +68,6 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401 - the two-node Slurm cluster fixture (issue 16)
