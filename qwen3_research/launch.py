@@ -95,6 +95,7 @@ def _write_summary(run_dir: Path, summary: dict) -> None:
 
 
 def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -123,6 +124,10 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         if isinstance(failure.message, dict):
             message = failure.message.get("message", message)
         raise WorkerGroupError(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    except SignalException as e:
+        # The agent got SIGTERM/SIGINT (Slurm preemption, requeue, scancel): it passed the signal on to
+        # the workers, which finish the step and save together; report it like a single process does.
+        raise _interrupted(int(e.sigval), rc, info) from None
     except (RendezvousError, RuntimeError, TimeoutError) as e:
         if p.nnodes == 1 or not _is_rendezvous_failure(e):
             raise
@@ -133,6 +138,16 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
             f"({first}); start the same command on every node with parallelism.rdzv_endpoint="
             "<first node's address>:<port> reachable from all of them, or use hydra/launcher=slurm") from None
     return results.get(0) or next(iter(results.values()))
+
+
+def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
+    """Interrupted with the step and checkpoint the worker group saved on the signal (the newest one)."""
+    from qwen3_research.checkpoint import find_checkpoint
+
+    root = Path(os.path.expanduser(rc.checkpoint.dir))
+    found = find_checkpoint("auto", root if root.is_absolute() else Path(info.run_dir) / root)
+    step = int(found.name.rsplit("-", 1)[-1]) if found is not None else 0
+    return Interrupted(signum, step, str(found) if found is not None else None)
 
 
 def _is_rendezvous_failure(e: BaseException) -> bool:
