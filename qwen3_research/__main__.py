@@ -181,6 +181,11 @@ def _task(cfg: DictConfig):
             return summary.get("final_eval_loss") or summary["final_loss"]
         return summary
     except Exception as e:  # noqa: BLE001
+        if multirun and isinstance(e, Interrupted) and os.environ.get("SLURM_JOB_ID"):
+            # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
+            # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
+            print(str(e), file=sys.stderr, flush=True)
+            sys.exit(e.exit_status)
         if multirun:
             # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
             # launch.run already wrote its summary.json (status failed + reason) for the report.
@@ -214,6 +219,12 @@ def main() -> None:
 
 def _main() -> None:
     overrides, passthrough = _split_argv(sys.argv[1:])
+    try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
+        from qwen3_research.slurm import preflight as slurm_preflight
+
+        slurm_preflight(overrides, CONF_DIR)
+    except ConfigError as e:
+        _die(f"config error: {e}")
     if not passthrough:
         preflight(overrides)
         from qwen3_research.launch import torchrun_overrides, under_torchrun

@@ -41,6 +41,7 @@ class ParallelismConfig:
     ep: int = 1
     activation_checkpoint: str = "none"  # none | selective | full
     rdzv_endpoint: str = "127.0.0.1:0"  # 0 = pick a free port (single node)
+    rdzv_timeout_s: int = 300  # multi-node: a node that has not met the others by then fails (one line)
 
 
 @dataclass

@@ -120,19 +120,23 @@ def _write_summary(run_dir: Path, summary: dict) -> None:
 
 
 def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from qwen3_research.parallel import rdzv_endpoint
+    from qwen3_research.parallel import rendezvous
 
     p = rc.parallelism
+    backend, endpoint, rdzv_configs = rendezvous(p)
     config = LaunchConfig(
         min_nodes=p.nnodes,
         max_nodes=p.nnodes,
         nproc_per_node=p.nproc_per_node,
         run_id=os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        rdzv_endpoint=rdzv_endpoint(p),
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -145,9 +149,48 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         if isinstance(failure.message, dict):
             message = failure.message.get("message", message)
         raise WorkerGroupError(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    except SignalException as e:
+        # The agent got SIGTERM/SIGINT (Slurm preemption, requeue, scancel): it passed the signal on to
+        # the workers, which finish the step and save together; report it like a single process does.
+        raise _interrupted(int(e.sigval), rc, info) from None
+    except (RendezvousError, RuntimeError, TimeoutError) as e:
+        if p.nnodes == 1 or not _is_rendezvous_failure(e):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        first = type(e).__name__ if first in ("", type(e).__name__) else f"{type(e).__name__}: {first}"
+        raise WorkerGroupError(
+            f"the {p.nnodes} nodes did not meet at {endpoint} within parallelism.rdzv_timeout_s={p.rdzv_timeout_s} "
+            f"({first}); start the same command on every node with parallelism.rdzv_endpoint="
+            "<first node's address>:<port> reachable from all of them, or use hydra/launcher=slurm") from None
     return results.get(0) or next(iter(results.values()))
 
 
+def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
+    """Interrupted with the step and checkpoint the worker group saved on the signal (the newest one)."""
+    from qwen3_research.checkpoint import find_checkpoint
+
+    root = Path(os.path.expanduser(rc.checkpoint.dir))
+    found = find_checkpoint("auto", root if root.is_absolute() else Path(info.run_dir) / root)
+    step = int(found.name.rsplit("-", 1)[-1]) if found is not None else 0
+    return Interrupted(signum, step, str(found) if found is not None else None)
+
+
+def _is_rendezvous_failure(e: BaseException) -> bool:
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    text = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, (RendezvousError, TimeoutError)) or any(
+        w in text for w in ("rendezvous", "timed out", "timeout", "connect", "store"))
+
+
+
+
+def _resume_when_requeued(resolved: dict) -> dict:
+    """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its
+    run dir's latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and not resolved["checkpoint"].get("resume"):
+        resolved["checkpoint"]["resume"] = "auto"
+    return resolved
 
 
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
@@ -163,7 +206,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = _resume_when_requeued(OmegaConf.to_container(cfg, resolve=True))
         rc = validate(to_run_config(resolved))
         from qwen3_research.device import prepare_launch
 

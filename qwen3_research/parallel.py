@@ -111,7 +111,8 @@ def validate_degrees(
                 f"parallelism.ep={p.ep} must divide dp_shard×tp={dp_shard}×{p.tp}={dp_shard * p.tp} (experts are "
                 f"sharded over the data-parallel and tensor-parallel ranks); use a smaller parallelism.ep or more ranks"
             )
-    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and "SLURM_JOB_NODELIST" not in os.environ:
+    if (p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and "SLURM_JOB_NODELIST" not in os.environ
+            and "TORCHELASTIC_RUN_ID" not in os.environ):  # torchrun has already met the other nodes
         raise ConfigError(
             f"parallelism.nnodes={p.nnodes} needs parallelism.rdzv_endpoint=<head node>:<port> reachable from "
             f"every node (got {p.rdzv_endpoint!r}, this machine only); or start with hydra/launcher=slurm, which "
@@ -127,14 +128,44 @@ def is_loopback(endpoint: str) -> bool:
 
 def rdzv_endpoint(p: ParallelismConfig) -> str:
     """Where the worker group meets: the configured endpoint, or under Slurm the job's first node."""
-    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and os.environ.get("SLURM_JOB_NODELIST"):
-        import subprocess
+    return rendezvous(p)[1]
 
-        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                               capture_output=True, text=True, check=True).stdout.split()
-        port = int(p.rdzv_endpoint.rsplit(":", 1)[1] or 0) or 29500
-        return f"{hosts[0]}:{port}"
-    return p.rdzv_endpoint
+
+def rendezvous(p: ParallelismConfig) -> tuple[str, str, dict]:
+    """(backend, endpoint, options) for PyTorch's elastic launcher.
+
+    Under Slurm (a multi-node job, no endpoint configured): the static backend at the job's
+    first node, *by its address*: ``NodeAddr`` from ``scontrol show node``, since a Slurm node
+    name need not resolve (``n1`` gave ``gai error: -2 - Name or service not known``). The node
+    rank is ``SLURM_NODEID``, so node 0 holds global ranks 0..nproc_per_node-1 and the rank that
+    writes metrics and the W&B run is on the node that writes ``summary.json``. The port is
+    29500 + job id mod 1000 (two jobs sharing a node do not collide), unless the endpoint names one.
+    Elsewhere: c10d at ``parallelism.rdzv_endpoint``. Either way a node that does not meet the
+    others within ``parallelism.rdzv_timeout_s`` fails.
+    """
+    timeout = int(p.rdzv_timeout_s)
+    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and os.environ.get("SLURM_JOB_NODELIST"):
+        first = slurm_node_names(os.environ["SLURM_JOB_NODELIST"])[0]
+        port = int(p.rdzv_endpoint.rsplit(":", 1)[1] or 0) or 29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000
+        endpoint = f"{slurm_node_addr(first)}:{port}"
+        return "static", endpoint, {"rank": int(os.environ.get("SLURM_NODEID", "0")), "timeout": timeout}
+    return "c10d", p.rdzv_endpoint, {"join_timeout": timeout, "read_timeout": timeout}
+
+
+def slurm_node_names(nodelist: str) -> list[str]:
+    import subprocess
+
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.split()
+
+
+def slurm_node_addr(name: str) -> str:
+    """The address Slurm reaches node ``name`` at (``NodeAddr``; the name itself when Slurm has none)."""
+    import subprocess
+
+    out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=60).stdout
+    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    return fields.get("NodeAddr") or name
 
 
 def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bool = False):

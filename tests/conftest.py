@@ -86,3 +86,4 @@ def wandb_history(run_dir: Path) -> tuple[set[str], list[int]]:
             elif rec["type"] == "history":
                 steps.append(int(rec["history"]["item"]["train/step"]))
     return ids, steps
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401 - the two-node Slurm cluster fixture (issue 16)
