@@ -261,11 +261,21 @@ def compose(overrides: list[str]) -> dict:
     from qwen3_research.__main__ import CONF_DIR, format_compose_error
     from qwen3_research.errors import ConfigError
 
+    from hydra.core.global_hydra import GlobalHydra
+
+    gh = GlobalHydra.instance()
+    outer = gh.hydra if gh.is_initialized() else None  # inside a running Hydra app (a sweep's callback)
+    if outer is not None:
+        gh.clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
         raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
+    finally:
+        if outer is not None:
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(outer)
     return OmegaConf.to_container(cfg, resolve=True)
 
 
