@@ -38,7 +38,7 @@ def hf_config_for_flavor(flavor, moe: bool, eos_id: int | None):
     """Qwen3Config / Qwen3MoeConfig with the flavor's architecture (same fields init_from checks)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from qwen3_research.checkpoint import hf_config_fields
+    from qwen3_research.hf_interop.config import hf_config_fields
 
     f = hf_config_fields(flavor, moe)
     common = dict(

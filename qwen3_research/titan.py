@@ -194,3 +194,40 @@ def mark_expert_counts_varying(counts) -> None:
     if get_spmd_backend() == "spmd_types" and spmd.is_type_checking() and spmd_mesh_size("ep") == 1:
         for axis in ("dp", "cp"):
             spmd.mutate_type(counts, axis, src=spmd.P, dst=spmd.V)
+
+
+# -- HF architecture ---------------------------------------------------------------------------
+def qwen3_config_for_architecture(arch, attention: str, device_type: str, seq_len: int):
+    """Qwen3Model.Config for an architecture read from a Hugging Face config.json (``hf_interop.config``).
+
+    torchtitan's own building blocks (``qwen3_model_config``), then what its builders fix and a
+    checkpoint may change: every RMSNorm's eps (``rms_norm_eps``) and the router's top-k
+    renormalisation (``norm_topk_prob`` -> ``route_norm``). The RoPE table has ``seq_len`` rows.
+    """
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    cfg = qwen3_model_config(
+        dataclasses.replace(arch, torchtitan_name=None, max_seq_len=seq_len), attention, device_type
+    )
+    seen: set[int] = set()
+
+    def visit(node) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            for item in node:
+                visit(item)
+            return
+        if not dataclasses.is_dataclass(node) or isinstance(node, type):
+            return
+        if isinstance(node, RMSNorm.Config):
+            node.eps = arch.rms_norm_eps
+        if hasattr(node, "route_norm"):
+            node.route_norm = arch.norm_topk_prob
+        for f in dataclasses.fields(node):
+            visit(getattr(node, f.name, None))
+
+    visit(cfg)
+    return cfg
+

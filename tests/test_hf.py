@@ -78,11 +78,12 @@ def hf_moe(tmp_path_factory) -> Path:
 # -- acceptance a: backend parity ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("moe,tol", [(False, 1e-5), (True, 1e-2)], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe,tol", [(False, 1e-5)], ids=["dense"])
 def test_step1_loss_hf_backend_equals_native_init_from(hf_dense, hf_moe, tmp_path, moe, tol):
-    """Same weights, same batch: model=hf and model=native(+_moe) init_from agree on the step-1 loss.
+    """Same weights, same batch: model=hf and model=native init_from agree on the step-1 loss.
 
-    Dense is fp32 on both sides (measured 0 to 1e-6); torchtitan's MoE experts run in bf16 (~1e-3).
+    Dense is fp32 on both sides (measured 0 to 1e-6). MoE parity is checked on logits, with fp32
+    experts to 1e-5, in tests/test_hf_interop.py (a step-1 loss cannot tell MoE inits apart).
     """
     hf_dir = hf_moe if moe else hf_dense
     native = "native_moe" if moe else "native"
@@ -111,6 +112,7 @@ def test_init_from_logits_match_transformers(hf_dense):
 
     backend = build(ModelConfig(backend="native", flavor="tiny", init_from=str(hf_dense)), torch.device("cpu"),
                     seq_len=32, seed=1)
+    backend.materialize()
     hf = AutoModelForCausalLM.from_pretrained(hf_dense, dtype=torch.float32, attn_implementation="sdpa")
     x = torch.randint(0, 151669, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -145,7 +147,8 @@ def _damaged_copy(src: Path, dst: Path, how: str) -> Path:
     ("corrupt", "native", "model.safetensors is corrupt or truncated"),
     ("missing", "native", "no *.safetensors weights"),
     ("llama", "native", "model_type='llama' (LlamaForCausalLM) but model=native needs model_type='qwen3'"),
-    ("shape", "native", "hidden_size=256 (flavor tiny: 128), num_hidden_layers=2 (flavor tiny: 4)"),
+    ("shape", "native", "the safetensors do not fit config.json: model.embed_tokens.weight: stored [151936, 128], "
+                        "config.json needs [151936, 256]"),
     ("corrupt", "hf", "cannot load the model"),
     ("missing", "hf", "cannot load the model"),
 ])
@@ -192,7 +195,7 @@ def test_hf_flops_per_token_equals_torchtitans(moe):
     from qwen3_research import device as devices
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.checkpoint import hf_config_fields
+    from qwen3_research.hf_interop.config import hf_config_fields
     from qwen3_research.config import ModelConfig
     from qwen3_research.models.flavors import get_flavor
     from qwen3_research.models.hf import hf_flops_per_token
