@@ -371,7 +371,7 @@ class Checkpointer:
         if self.cfg.enable and self.last_saved != t.step:
             self.save(t.step)
         if self.cfg.export_hf:
-            from qwen3_research.export import export_from_trainer
+            from qwen3_research.hf_interop.export import export_from_trainer
 
             export_from_trainer(t, t.run_dir / "hf")
 

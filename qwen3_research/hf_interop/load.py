@@ -30,11 +30,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def _chunks(model: torch.nn.Module):
+    """(module, prefix, its state_dict) piece by piece: the top-level tensors (embedding, final norm,
+    lm_head) first, then one decoder layer at a time, so only one layer's fused-QKV gather is alive."""
+    top = {}
+    for name, child in model.named_children():
+        if name != "layers":
+            top.update(child.state_dict(prefix=f"{name}."))
+    top.update({n: p for n, p in model.named_parameters(recurse=False)})
+    yield model, "", top
+    layers = getattr(model, "layers", {})
+    for key, layer in (layers.items() if hasattr(layers, "items") else enumerate(layers)):
+        yield layer, f"layers.{key}.", layer.state_dict(prefix=f"layers.{key}.")
+
+
 def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
     """Fill a materialised (sharded or not) native Qwen3 from ``hf_dir``; collective when distributed.
 
-    Returns {"tensors": n, "ignored": [stored keys the model does not use]}.
+    One ``dcp.load`` per piece (``_chunks``): the peak is this rank's shards plus one layer's
+    temporaries. Returns {"tensors": n, "ignored": [stored keys the model does not use]}.
     """
+    import dataclasses
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -42,29 +59,36 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
 
     where = f"model.init_from={hf_dir!r}"
     path = str(Path(os.path.expanduser(hf_dir)))
-    adapter = titan.state_dict_adapter(model_config)
+    top_adapter = titan.state_dict_adapter(model_config)
+    # Layer pieces carry no embedding: torchtitan's from_hf would otherwise re-tie lm_head from a missing one.
+    layer_adapter = titan.state_dict_adapter(dataclasses.replace(model_config, enable_weight_tying=False))
+    try:
+        stored = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - damaged headers raise SafetensorError / ValueError / OSError
+        raise ConfigError(f"{where}: cannot read the safetensors ({_first_line(e)})") from None
+    used: set[str] = set()
     with torch.no_grad():
-        native = {k: v for k, v in model.state_dict().items() if not k.endswith("expert_bias_E")}
-        hf_sd = adapter.to_hf(native)
-        reader = HuggingFaceStorageReader(path)
-        try:
-            stored = reader.read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001 - damaged headers raise SafetensorError / ValueError / OSError
-            raise ConfigError(f"{where}: cannot read the safetensors ({_first_line(e)})") from None
-        missing = sorted(k for k in hf_sd if k not in stored)
-        bad = sorted(k for k in hf_sd if k in stored and tuple(stored[k].size) != tuple(hf_sd[k].shape))
-        if missing or bad:
-            parts = [f"{k}: stored {list(stored[k].size)} vs model {list(hf_sd[k].shape)}" for k in bad[:2]]
-            parts += [f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []
-            raise ConfigError(f"{where}: the safetensors do not fit the model: {'; '.join(parts)}")
-        try:
-            dcp.load(hf_sd, storage_reader=reader)
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in CheckpointException
-            raise ConfigError(f"{where}: cannot read the safetensors ({_first_line(e)})") from None
-        loaded = adapter.from_hf(hf_sd)
-        # load_state_dict, not copies into state_dict(): the fused-QKV load hook merges wq/wk/wv.
-        result = model.load_state_dict(loaded, strict=False)
-    left = [k for k in result.missing_keys if not k.endswith("expert_bias_E")]
-    if left or result.unexpected_keys:
-        raise ConfigError(f"{where}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
-    return {"tensors": len(hf_sd), "ignored": sorted(set(stored) - set(hf_sd))}
+        for module, prefix, piece in _chunks(model):
+            adapter = top_adapter if prefix == "" else layer_adapter
+            piece = {k: v for k, v in piece.items() if not k.endswith("expert_bias_E")}
+            hf_sd = adapter.to_hf(piece)
+            missing = sorted(k for k in hf_sd if k not in stored)
+            bad = sorted(k for k in hf_sd if k in stored and tuple(stored[k].size) != tuple(hf_sd[k].shape))
+            if missing or bad:
+                parts = [f"{k}: stored {list(stored[k].size)} vs model {list(hf_sd[k].shape)}" for k in bad[:2]]
+                parts += [f"{len(missing)} tensors missing (e.g. {missing[0]})"] if missing else []
+                raise ConfigError(f"{where}: the safetensors do not fit the model: {'; '.join(parts)}")
+            try:
+                dcp.load(hf_sd, storage_reader=HuggingFaceStorageReader(path))
+            except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in CheckpointException
+                raise ConfigError(f"{where}: cannot read the safetensors ({_first_line(e)})") from None
+            used.update(hf_sd)
+            loaded = {k[len(prefix):]: v for k, v in adapter.from_hf(hf_sd).items()}
+            del hf_sd, piece
+            # load_state_dict, not copies into state_dict(): the fused-QKV load hook merges wq/wk/wv.
+            result = module.load_state_dict(loaded, strict=False)
+            del loaded
+            left = [k for k in result.missing_keys if not k.endswith("expert_bias_E") and (prefix or not k.startswith("layers."))]
+            if left or result.unexpected_keys:
+                raise ConfigError(f"{where}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
+    return {"tensors": len(used), "ignored": sorted(set(stored) - used)}
