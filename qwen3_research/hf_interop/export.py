@@ -145,13 +145,19 @@ def write_sharded(hf_sd: dict, tmp: Path, mapping: dict[str, int]) -> list[str]:
     """Collective: each rank writes its shards, then the consolidated files are built file by file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+        consolidate_safetensors_files_on_every_rank,
+    )
 
     sharded = tmp / "sharded"
     dcp.save(hf_sd, storage_writer=HuggingFaceStorageWriter(path=str(sharded), save_distributed=True,
                                                             fqn_to_index_mapping=mapping, enable_consolidation=False))
     _barrier()
-    consolidate_safetensors_files_on_every_rank(input_dir=str(sharded), output_dir=str(tmp), fqn_to_index_mapping=mapping)
+    if _dist():  # each rank builds some of the files; rank 0 writes the index
+        consolidate_safetensors_files_on_every_rank(input_dir=str(sharded), output_dir=str(tmp), fqn_to_index_mapping=mapping)
+    else:  # the on-every-rank variant writes no index without a process group
+        consolidate_safetensors_files(input_dir=str(sharded), output_dir=str(tmp), fqn_to_index_mapping=mapping)
     _barrier()
     if not _dist() or torch.distributed.get_rank() == 0:
         shutil.rmtree(sharded, ignore_errors=True)
