@@ -1,4 +1,4 @@
-"""Distributed checkpoints (save, keep, resume) and HF safetensors -> native Qwen3 import.
+"""Distributed checkpoints (save, keep, resume). Hugging Face import/export: ``qwen3_research.hf_interop``.
 
 A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` written by
 torch.distributed.checkpoint (DCP: model, optimizer, scheduler, step, per-rank RNG) plus
@@ -424,7 +424,7 @@ class Checkpointer:
         if self.cfg.enable and self.last_saved != t.step:
             self.save(t.step)
         if self.cfg.export_hf:
-            from qwen3_research.export import export_from_trainer
+            from qwen3_research.hf_interop.export import export_from_trainer
 
             export_from_trainer(t, t.run_dir / "hf")
 
@@ -457,140 +457,6 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                     f"{', '.join(differ)}); resume with the same model settings, or use another checkpoint.dir"
                 )
     if rc.model.init_from and rc.model.backend != "hf":
-        from qwen3_research.models import get_flavor
+        from qwen3_research.hf_interop.preflight import check_init_from
 
-        check_hf_config(rc.model.init_from, rc.model.backend, rc.model.flavor, get_flavor(rc.model.backend, rc.model.flavor))
-        hf_safetensors_files(rc.model.init_from)
-
-
-# -- HF safetensors -> native ---------------------------------------------------------------
-
-
-def hf_config_fields(flavor, moe: bool) -> dict:
-    """The config.json fields (HF names) that fix the weights' shapes and the maths, from a flavor."""
-    fields = {
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "vocab_size": flavor.vocab_size, "hidden_size": flavor.dim, "num_hidden_layers": flavor.n_layers,
-        "num_attention_heads": flavor.n_heads, "num_key_value_heads": flavor.n_kv_heads,
-        "head_dim": flavor.head_dim, "tie_word_embeddings": flavor.tie_embeddings,
-        "rope_theta": flavor.rope_theta, "rms_norm_eps": 1e-6,
-    }
-    if moe:
-        fields.update(moe_intermediate_size=flavor.hidden_dim, num_experts=flavor.num_experts,
-                      num_experts_per_tok=flavor.top_k, norm_topk_prob=True)
-    else:
-        fields.update(intermediate_size=flavor.hidden_dim)
-    return fields
-
-
-def _read_hf_config(hf_dir: str) -> dict:
-    path = Path(os.path.expanduser(hf_dir))
-    if not path.is_dir():
-        raise ConfigError(f"model.init_from={hf_dir!r}: no such directory")
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model.init_from={hf_dir!r}: no config.json; point it at a Hugging Face model directory") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.init_from={hf_dir!r}: config.json is unreadable ({e})") from None
-    rope = cfg.get("rope_parameters") or {}
-    cfg.setdefault("rope_theta", rope.get("rope_theta"))
-    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
-        cfg["num_experts"] = cfg["num_local_experts"]
-    return cfg
-
-
-def check_hf_config(hf_dir: str, backend: str, flavor_name: str, flavor) -> dict:
-    """config.json must describe the flavor's architecture; a mismatch names every differing field."""
-    cfg = _read_hf_config(hf_dir)
-    want = hf_config_fields(flavor, backend == "native_moe")
-    if cfg.get("model_type") != want["model_type"]:
-        arch = ",".join(cfg.get("architectures") or []) or "?"
-        raise ConfigError(
-            f"model.init_from={hf_dir!r}: config.json is model_type={cfg.get('model_type')!r} ({arch}) but "
-            f"model={backend} needs model_type={want['model_type']!r}; use model=hf model.path=... for other architectures"
-        )
-    differ = []
-    for key, value in want.items():
-        got = cfg.get(key)
-        same = got == value if not isinstance(value, float) else got is not None and abs(float(got) - value) <= 1e-9 * abs(value)
-        if not same:
-            differ.append(f"{key}={got!r} (flavor {flavor_name}: {value!r})")
-    if differ:
-        raise ConfigError(f"model.init_from={hf_dir!r}: config.json differs from model.flavor={flavor_name}: {', '.join(differ)}")
-    return cfg
-
-
-def hf_safetensors_files(hf_dir: str) -> list[Path]:
-    path = Path(os.path.expanduser(hf_dir))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"model.init_from={hf_dir!r}: {index.name} is unreadable ({e})") from None
-        files = [path / n for n in names]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ConfigError(f"model.init_from={hf_dir!r}: {index.name} lists missing files: {', '.join(absent[:3])}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.init_from={hf_dir!r}: no *.safetensors weights there (only {sorted(p.name for p in path.iterdir())[:6]})")
-    return files
-
-
-def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, by on-disk HF key."""
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in hf_safetensors_files(hf_dir):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    out[k] = fh.get_tensor(k)
-        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ValueError for damaged files
-            raise ConfigError(f"model.init_from={hf_dir!r}: {f.name} is corrupt or truncated ({_first_line(e)})") from None
-    return out
-
-
-def load_hf_into_native(backend, hf_dir: str) -> None:
-    """Load an HF Qwen3 checkpoint into a NativeQwen3 backend (before or after sharding)."""
-    from qwen3_research import titan
-
-    flavor = backend.flavor
-    kind = "native_moe" if backend.is_moe else "native"
-    name = next((n for n, f in _flavors(kind).items() if f == flavor), "?")
-    check_hf_config(hf_dir, kind, name, flavor)
-    hf_sd = read_hf_safetensors(hf_dir)
-    adapter = titan.state_dict_adapter(backend.model_config)
-    try:
-        native = adapter.from_hf(hf_sd)
-    except (KeyError, ValueError, AssertionError, RuntimeError) as e:
-        raise ConfigError(f"model.init_from={hf_dir!r}: unexpected tensor layout ({_first_line(e)})") from None
-    if not backend._initialized:
-        backend.init_weights()
-    model_sd = backend.model.state_dict()
-    wanted = {k for k in model_sd if not k.endswith("expert_bias_E")}  # native-only routing bias: stays 0
-    missing = sorted(wanted - set(native))
-    unexpected = sorted(set(native) - set(model_sd))
-    bad = sorted(k for k in wanted & set(native) if tuple(native[k].shape) != tuple(model_sd[k].shape))
-    if missing or unexpected or bad:
-        detail = [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(unexpected)
-        detail += [f"{k}: {list(native[k].shape)} vs {list(model_sd[k].shape)}" for k in bad[:2]]
-        raise ConfigError(f"model.init_from={hf_dir!r}: safetensors do not fit model.flavor={name}: {'; '.join(detail)}")
-    native = {k: v.to(model_sd[k].dtype) for k, v in native.items() if k in wanted}
-    if any(hasattr(v, "device_mesh") for v in model_sd.values()):
-        raise ConfigError("model.init_from: load HF weights before sharding (models.build does)")
-    # load_state_dict, not copies into state_dict(): torchtitan's fused QKV merges wq/wk/wv in a load hook
-    result = backend.model.load_state_dict(native, strict=False)
-    left = [k for k in result.missing_keys if not k.endswith("expert_bias_E")]
-    if left or result.unexpected_keys:
-        raise ConfigError(f"model.init_from={hf_dir!r}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
-
-
-def _flavors(kind: str) -> dict:
-    from qwen3_research.models import flavors
-
-    return flavors.DENSE if kind == "native" else flavors.MOE
+        check_init_from(rc)

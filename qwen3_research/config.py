@@ -189,6 +189,10 @@ GROUP_SCHEMAS = {
 
 def register_configs() -> None:
     """Store the run schema and one schema per group (``<group>/schema``) for YAML options to extend."""
+    from qwen3_research.models.flavors import default_flavor
+
+    # conf/model/native*.yaml: model.flavor defaults to init_from's architecture ("from_hf") or "tiny".
+    OmegaConf.register_new_resolver("default_flavor", default_flavor, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():
@@ -253,8 +257,10 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         if m.init_from:
             raise ConfigError("model.init_from is for model=native|native_moe; with model=hf use model.path")
     else:
+        from qwen3_research.models.flavors import FROM_CHECKPOINT
+
         known = flavors_for(m.backend)
-        if m.flavor not in known:
+        if m.flavor not in known and not (m.flavor in FROM_CHECKPOINT and m.init_from) and m.flavor != "auto":
             raise ConfigError(f"model.flavor={m.flavor!r} is not a {m.backend} flavor; choose one of {known}")
 
     p = cfg.parallelism

@@ -518,6 +518,8 @@ def gpu_peak_flops(device_name: str) -> float:
     from torchtitan.tools.utils import get_peak_flops
 
     return float(get_peak_flops(device_name))
+
+
 # -- flex attention --
 def flex_attention_masks(model, batch: int, seq_len: int, device):
     """The BlockMask torchtitan's trainer builds for FlexAttention (``Decoder.get_attention_masks``, as in
@@ -528,3 +530,44 @@ def flex_attention_masks(model, batch: int, seq_len: int, device):
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
     return model.get_attention_masks(positions=positions)
+
+
+# -- HF architecture ---------------------------------------------------------------------------
+def qwen3_config_for_architecture(arch, attention: str, device_type: str, seq_len: int):
+    """Qwen3Model.Config for an architecture read from a Hugging Face config.json (``hf_interop.config``).
+
+    torchtitan's own building blocks (``qwen3_model_config``), then what its builders fix and a
+    checkpoint may change: every RMSNorm's eps (``rms_norm_eps``) and the router's top-k
+    renormalisation (``norm_topk_prob`` -> ``route_norm``). The RoPE table has ``seq_len`` rows.
+    """
+    arch_at_len = dataclasses.replace(arch, torchtitan_name=None, max_seq_len=seq_len)
+    if legacy():  # 0.2.x: the same two fields live on Qwen3ModelArgs / MoEArgs
+        args = _qwen3_model_args(arch_at_len, attention, device_type)
+        args.norm_eps = arch.rms_norm_eps
+        if args.moe_enabled:
+            args.moe_args.route_norm = arch.norm_topk_prob
+        return args
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    cfg = qwen3_model_config(arch_at_len, attention, device_type)
+    seen: set[int] = set()
+
+    def visit(node) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, (list, tuple)):
+            for item in node:
+                visit(item)
+            return
+        if not dataclasses.is_dataclass(node) or isinstance(node, type):
+            return
+        if isinstance(node, RMSNorm.Config):
+            node.eps = arch.rms_norm_eps
+        if hasattr(node, "route_norm"):
+            node.route_norm = arch.norm_topk_prob
+        for f in dataclasses.fields(node):
+            visit(getattr(node, f.name, None))
+
+    visit(cfg)
+    return cfg

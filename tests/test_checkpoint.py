@@ -77,8 +77,9 @@ def test_export_at_end_reloads_with_transformers(straight):
     assert step_dirs(straight) == ["step-00000010", "step-00000020"]  # keep=2
     report = json.loads((straight / "hf" / "export_verification.json").read_text())
     assert report["missing_keys"] == [] and report["unexpected_keys"] == [] and report["max_abs_logit_diff"] < 1e-4
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in (straight / "hf").iterdir()}
+    assert {"config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in (straight / "hf").iterdir()}
+    assert report["max_abs_tensor_diff"] == 0  # every written tensor read back equal
     check_hf_dir_matches(straight / "hf", straight / "checkpoints" / "step-00000020", "run-end export")
 
 

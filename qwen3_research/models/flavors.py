@@ -25,6 +25,8 @@ class Flavor:
     max_seq_len: int = 4096
     tie_embeddings: bool = True
     torchtitan_name: Optional[str] = None  # build from torchtitan's registry instead
+    rms_norm_eps: float = 1e-6
+    norm_topk_prob: bool = True  # MoE: renormalise the top-k routing weights (torchtitan's route_norm)
 
 
 DENSE = {
@@ -48,6 +50,17 @@ MOE = {
     "235B-A22B": Flavor(4096, 94, 64, 4, 128, 1536, num_experts=128, top_k=8, rope_theta=5_000_000.0,
                         max_seq_len=40960, tie_embeddings=False, torchtitan_name="235B-A22B"),
 }
+
+
+# model.flavor values that take the architecture from model.init_from's config.json (without
+# init_from they mean the default, ``tiny``); the Hydra default of model=native|native_moe.
+FROM_CHECKPOINT = ("auto", "from_hf")
+DEFAULT_FLAVOR = "tiny"
+
+
+def default_flavor(init_from) -> str:
+    """The Hydra default of ``model.flavor``: the checkpoint's architecture when init_from is set."""
+    return "from_hf" if init_from else DEFAULT_FLAVOR
 
 
 def flavors_for(backend: str) -> list[str]:

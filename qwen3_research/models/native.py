@@ -20,37 +20,57 @@ FULL_INIT_MAX_PARAMS = 2_000_000_000
 
 
 class NativeQwen3(ModelBackend):
-    """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``."""
+    """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``, or from ``model.init_from``'s config.json.
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, seq_len: int, seed: int, tt_parallelism=None):
-        self.flavor = get_flavor(cfg.backend, cfg.flavor)
+    With ``init_from`` the model stays on the meta device until it is sharded (or, single process,
+    until ``finalize_single``); ``materialize`` then allocates each rank's shards and reads only those
+    from the safetensors (``hf_interop.load``). No rank ever holds the full model.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, seq_len: int, seed: int, tt_parallelism=None, *,
+                 flavor: Flavor | None = None, flavor_name: str | None = None, init_from: str | None = None):
+        self.flavor = flavor if flavor is not None else get_flavor(cfg.backend, cfg.flavor)
+        self.flavor_name = flavor_name or cfg.flavor
+        from qwen3_research.config import ConfigError
+
         if seq_len > self.flavor.max_seq_len:
-            from qwen3_research.config import ConfigError
-
-            raise ConfigError(
-                f"data.seq_len={seq_len} exceeds model.flavor={cfg.flavor}'s RoPE length {self.flavor.max_seq_len}"
-            )
+            what = (f"model.init_from's max_position_embeddings" if cfg.init_from
+                    else f"model.flavor={self.flavor_name}'s RoPE length")
+            raise ConfigError(f"data.seq_len={seq_len} exceeds {what} {self.flavor.max_seq_len}")
         if cfg.attention == "flex" and device.type != "cuda":
-            from qwen3_research.config import ConfigError
-
             raise ConfigError(
                 f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
                 f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
             )
         self.flex = cfg.attention == "flex"
         self._masks: dict = {}
-        self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
+        if cfg.init_from:
+            # The checkpoint's architecture; the RoPE table has data.seq_len rows, not max_position_embeddings.
+            self.model_config = titan.qwen3_config_for_architecture(self.flavor, cfg.attention, device.type, seq_len)
+        else:
+            self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
         if tt_parallelism is not None:
             titan.apply_parallelism_plans(self.model_config, tt_parallelism)
         self.device = device
         self.seed = seed
+        self.init_from = init_from
         with torch.device("meta"):
             self.model = titan.build_model(self.model_config)
         self.num_params, self.flops_per_token = titan.nparams_and_flops(self.model_config, self.model, seq_len)
         self.is_moe = self.flavor.num_experts > 0
         self._initialized = False
-        if self.num_params <= FULL_INIT_MAX_PARAMS:
+        if self.num_params <= FULL_INIT_MAX_PARAMS and not init_from:
             self.init_weights()
+
+    def materialize(self) -> None:
+        """Allocate (on this rank: its shards) and fill the weights: seeded init, then init_from's safetensors."""
+        if self._initialized:
+            return
+        self.init_weights()
+        if self.init_from:
+            from qwen3_research.hf_interop.load import load_hf_weights
+
+            load_hf_weights(self.model, self.model_config, self.init_from)
 
     @property
     def n_heads(self) -> int:
@@ -86,12 +106,10 @@ class NativeQwen3(ModelBackend):
 
         keep_embeddings_tied_through_tp(self.model)
         titan.parallelize_qwen3(self.model, parallel_dims, tt)
-        if not self._initialized:
-            self.init_weights()
+        self.materialize()
 
     def finalize_single(self, tt) -> None:
-        if not self._initialized:
-            self.init_weights()
+        self.materialize()
         super().finalize_single(tt)
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:

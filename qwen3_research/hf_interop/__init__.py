@@ -1,0 +1,10 @@
+"""Hugging Face interop for the native backends: config mapping, checks, sharded import and export.
+
+- ``hf_interop.config``: config.json <-> architecture, cheap directory/header checks (no torch).
+- ``hf_interop.load``: safetensors -> a sharded native model through DCP's HuggingFaceStorageReader.
+- ``hf_interop.export``: a trained model -> a verified HF directory.
+- ``preflight``: what the launcher checks before any worker starts.
+
+Imports only ``errors``, ``models.flavors``-free helpers and (lazily) ``titan``/``models``;
+``checkpoint.py`` (distributed checkpoints) and ``export.py`` (the command) import this, never the reverse.
+"""
