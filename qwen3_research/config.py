@@ -246,7 +246,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
-    from qwen3_research.models import flavors_for  # light import: no torch
+    from qwen3_research.models.flavors import flavors_for  # light import: no torch
 
     m = cfg.model
     _choice("model.backend", m.backend, {"native", "native_moe", "hf"})

@@ -281,5 +281,5 @@ def check_tokenizer_fits(vocab_size: int, flavor, where: str) -> None:
     if vocab_size > flavor.vocab_size:
         raise ConfigError(
             f"{where}: the tokenizer has {vocab_size} tokens but the model has {flavor.vocab_size} embedding rows "
-            "(config.json vocab_size); use the checkpoint's own tokenizer (data.tokenizer=<its directory>)"
+            "(config.json vocab_size); use the tokenizer the checkpoint was trained with (data.tokenizer=<its directory>)"
         )
