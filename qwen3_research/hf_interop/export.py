@@ -137,7 +137,7 @@ def file_index(shapes: dict[str, tuple], bytes_per_elem: int, max_shard_size) ->
 def _hf_state(model, model_config) -> dict:
     from qwen3_research import titan
 
-    sd = {k: v for k, v in _unwrap(model).state_dict().items() if not k.endswith("expert_bias_E")}
+    sd = {k: v for k, v in _unwrap(model).state_dict().items() if not titan.native_only_buffer(k)}
     return titan.state_dict_adapter(model_config).to_hf(sd)
 
 

@@ -70,7 +70,7 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
     with torch.no_grad():
         for module, prefix, piece in _chunks(model):
             adapter = top_adapter if prefix == "" else layer_adapter
-            piece = {k: v for k, v in piece.items() if not k.endswith("expert_bias_E")}
+            piece = {k: v for k, v in piece.items() if not titan.native_only_buffer(k)}
             hf_sd = adapter.to_hf(piece)
             missing = sorted(k for k in hf_sd if k not in stored)
             bad = sorted(k for k in hf_sd if k in stored and tuple(stored[k].size) != tuple(hf_sd[k].shape))
@@ -88,7 +88,7 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
             # load_state_dict, not copies into state_dict(): the fused-QKV load hook merges wq/wk/wv.
             result = module.load_state_dict(loaded, strict=False)
             del loaded
-            left = [k for k in result.missing_keys if not k.endswith("expert_bias_E") and (prefix or not k.startswith("layers."))]
+            left = [k for k in result.missing_keys if not titan.native_only_buffer(k) and (prefix or not k.startswith("layers."))]
             if left or result.unexpected_keys:
                 raise ConfigError(f"{where}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
     return {"tensors": len(used), "ignored": sorted(set(stored) - used)}
