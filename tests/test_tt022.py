@@ -90,6 +90,7 @@ def test_init_from_logits_match_transformers(tmp_path):
 
     backend = build(ModelConfig(backend="native", flavor="tiny", init_from=str(hf_dir)), torch.device("cpu"),
                     seq_len=32, seed=1)
+    backend.materialize()  # init_from loads after sharding (here: one process), each rank its own part
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     x = torch.randint(0, 151669, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
