@@ -34,19 +34,57 @@ EXIT_FAILED = 1
 register_configs()
 
 
-def _split_argv(argv: list[str]) -> tuple[list[str], bool]:
-    """The plain overrides, and whether this invocation is handled by Hydra alone."""
-    hydra_only = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c",
-                  "--config-dir", "-cd", "--config-name", "-cn", "--shell-completion", "-sc", "--version",
-                  "--config-path", "-cp", "--experimental-rerun", "--resolve", "--package", "-p"}
-    overrides, passthrough = [], False
-    for a in argv:
+# Hydra's flags that take a value (the next word is not an override); --info's value is optional.
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-dir", "-cd", "--config-name", "-cn", "--config-path",
+                "-cp", "--experimental-rerun", "--shell-completion", "-sc"}
+_INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+_HYDRA_ONLY = {"-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "-i", "--version", "--resolve",
+               *_VALUE_FLAGS}
+# Invocations whose overrides are composed against conf/config.yaml as they are: checked up front too.
+_CHECKED_FLAGS = {"-m", "--multirun", "--cfg", "-c", "--resolve", "--package", "-p"}
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], set[str]]:
+    """The plain overrides, and the Hydra flags given (a non-empty set: Hydra runs the invocation)."""
+    overrides, flags = [], set()
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
         head = a.split("=", 1)[0]
         if a.startswith("-"):
-            passthrough = passthrough or head in hydra_only
+            if head in _HYDRA_ONLY:
+                flags.add(head)
+            takes_value = head in _VALUE_FLAGS or (head in ("--info", "-i") and i + 1 < len(argv)
+                                                    and argv[i + 1] in _INFO_VALUES)
+            if takes_value and "=" not in a:
+                next(it, None)  # the flag's value
         else:
             overrides.append(a)
-    return overrides, passthrough
+    return overrides, flags
+
+
+def preflight_overrides(overrides: list[str]) -> None:
+    """A sweep or ``--cfg``: the keys, types and options of the overrides, composed once with the first
+    value of every swept key, so a typo is one line (exit 2) as for a single run. Values are not
+    validated here: an impossible point of a sweep fails alone (sweep report, exit 3)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        firsts = []
+        for o in parsed:
+            if o.is_sweep_override():
+                value = next(iter(o.sweep_string_iterator()), None)
+                if value is None:
+                    continue
+                firsts.append(f"{o.input_line.split('=', 1)[0]}={value}")
+            else:
+                firsts.append(o.input_line)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name="config", overrides=firsts)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
+        _die(format_compose_error(e))
 
 
 def format_compose_error(e: BaseException) -> str:
@@ -68,7 +106,8 @@ def format_compose_error(e: BaseException) -> str:
         if isinstance(err, MissingConfigException):
             text = str(err)
             first = text.splitlines()[0]
-            options = [ln.strip() for ln in text.splitlines()[1:] if ln.startswith("\t")]
+            listing = text.split("Config search path", 1)[0]  # the options, not the search path after them
+            options = [ln.strip() for ln in listing.splitlines()[1:] if ln.startswith("\t")]
             group = getattr(err, "missing_cfg_file", "") or ""
             hint = f"; available: {', '.join(options)}" if options else ""
             return f"config error: {first.strip()} ({group}){hint}"
@@ -218,13 +257,16 @@ def main() -> None:
 
 
 def _main() -> None:
-    overrides, passthrough = _split_argv(sys.argv[1:])
+    overrides, flags = _split_argv(sys.argv[1:])
+    passthrough = bool(flags)
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
         from qwen3_research.slurm import preflight as slurm_preflight
 
         slurm_preflight(overrides, CONF_DIR)
     except ConfigError as e:
         _die(f"config error: {e}")
+    if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
+        preflight_overrides(overrides)
     if not passthrough:
         preflight(overrides)
         from qwen3_research.launch import torchrun_overrides, under_torchrun

@@ -188,7 +188,11 @@ GROUP_SCHEMAS = {
 
 
 def register_configs() -> None:
-    """Store the run schema and one schema per group (``<group>/schema``) for YAML options to extend."""
+    """Store the run schema and one schema per group (``<group>_schema``) for YAML options to extend.
+
+    The group schemas are root-level configs, not a config group, so ``--help`` lists only the
+    groups a user chooses from (a ``schema`` group would show up there as if it were one).
+    """
     from qwen3_research.models.flavors import default_flavor
 
     # conf/model/native*.yaml: model.flavor defaults to init_from's architecture ("from_hf") or "tiny".
@@ -196,7 +200,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group="schema", name=group, node=schema, package=group)
+        cs.store(name=f"{group}_schema", node=schema, package=group)
 
 
 def to_run_config(cfg: dict | DictConfig) -> RunConfig:

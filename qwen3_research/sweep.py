@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
@@ -72,11 +72,17 @@ class SweepReport(Callback):
             plan_points(config, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from qwen3_research.compare import EXIT_SOME_FAILED, report
+        from qwen3_research.compare import EXIT_SOME_FAILED, find_runs, report
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
+        if not find_runs([sweep_dir]):  # e.g. -m 'training.steps=range(0,0)': Hydra launched 0 jobs
+            params = OmegaConf.to_container(config.hydra.sweeper.params) if config.hydra.sweeper.get("params") else {}
+            swept = " ".join(o for o in config.hydra.overrides.task) or ", ".join(f"{k}={v}" for k, v in params.items())
+            print(f"config error: the sweep has no points: its swept values ({swept or 'none'}) give no "
+                  "combination to run; give every swept key at least one value", file=sys.stderr, flush=True)
+            sys.exit(2)
         wall = time.perf_counter() - getattr(self, "t0", time.perf_counter())
         runs = report([sweep_dir], sweep_dir)
         point_s = [r.summary.get("wall_s") for r in runs]

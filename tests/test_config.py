@@ -57,7 +57,7 @@ def test_group_options_extend_their_schema(tmp_path):
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
-    (conf / "model" / "typo.yaml").write_text("defaults:\n  - /schema/model@_here_\n  - _self_\nflavr: tiny\n")
+    (conf / "model" / "typo.yaml").write_text("defaults:\n  - /model_schema@_here_\n  - _self_\nflavr: tiny\n")
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         with pytest.raises(Exception) as e:
             compose(config_name="config", overrides=["model=typo"])

@@ -68,7 +68,7 @@ def test_every_parallelism_option_resolves_to_its_degrees():
     assert shipped == sorted(EXPECTED), shipped
     for name, (extra, world, rep, shard, tp, sp, ep) in EXPECTED.items():
         text = (Path(CONF_DIR) / "parallelism" / f"{name}.yaml").read_text().splitlines()
-        assert text[0].startswith("# ") and text[1:4] == ["defaults:", "  - /schema/parallelism@_here_", "  - _self_"], name
+        assert text[0].startswith("# ") and text[1:4] == ["defaults:", "  - /parallelism_schema@_here_", "  - _self_"], name
         d = degrees_for([f"parallelism={name}", *extra])
         got = (d.world_size, d.dp_replicate, d.dp_shard, d.tp, d.sequence_parallel, d.ep)
         assert got == (world, rep, shard, tp, sp, ep), f"{name}: {got}"

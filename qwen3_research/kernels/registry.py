@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,6 +35,17 @@ log = logging.getLogger("qwen3_research.kernels")
 
 class KernelMatchWarning(UserWarning):
     """An override entry matched no module of the built model."""
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """Kernel warnings reach the console as one ``warning: ...`` line (no source file and line of ours)."""
+    if issubclass(category, KernelMatchWarning):
+        print(f"warning: {message}", file=file or sys.stderr, flush=True)
+        return
+    _default(message, category, filename, lineno, file, line)
+
+
+warnings.showwarning = _show_warning
 
 
 @dataclass
@@ -138,7 +150,6 @@ def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
                 f"(it replaces {'/'.join(spec.module_types)}); it has no effect"
             )
             warnings.warn(msg, KernelMatchWarning, stacklevel=2)
-            log.warning(msg)
         plan[label] = matched
         if matched:
             problems += _check_requirements(spec, entry, option, cfg, device, dict(modules), matched)
@@ -182,7 +193,6 @@ def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> l
         out += errors
         for msg in warns:
             warnings.warn(msg, KernelMatchWarning, stacklevel=3)
-            log.warning(msg)
     if req.seq_multiple is not None:
         m = req.seq_multiple(lnc or 1)
         seq = cfg.data.seq_len
