@@ -115,3 +115,55 @@ def test_help_lists_groups():
     for group in GROUPS:
         assert f"{group}:" in proc.stdout or f"{group}/" in proc.stdout, group
     assert "native_moe" in proc.stdout and "embedded" in proc.stdout
+    # The per-group schemas are internal: they are not a group a user picks from.
+    groups = proc.stdout.split("== Config ==")[0]
+    assert "schema" not in groups, groups
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["-m", "training.stepz=1,2"], "config error: training.stepz: unknown key"),
+    (["-m", "model=nativ,hf"], "Could not find 'model/nativ'"),
+    (["-m", "training.steps=two,3"], "config error: training.steps"),
+    (["--cfg", "job", "training.stepz=1"], "config error: training.stepz: unknown key"),
+], ids=["sweep-unknown-key", "sweep-unknown-option", "sweep-wrong-type", "cfg-unknown-key"])
+def test_sweep_and_cfg_typos_are_one_line_like_a_run(args, expected, tmp_path):
+    """Hydra alone would print a multi-line message and exit 1; a plain run gives one line and exit 2."""
+    proc = run_cli([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_cfg_still_prints_the_config():
+    proc = run_cli(["--cfg", "job", "training.steps=7"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "steps: 7" in proc.stdout
+
+
+def test_sweep_with_no_points_says_so(tmp_path):
+    proc = run_cli(["-m", "training.steps=range(0,0)", f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error")]
+    assert errors == ["config error: the sweep has no points: its swept values (training.steps=range(0,0)) give no "
+                      "combination to run; give every swept key at least one value"], proc.stderr
+    assert "compare:" not in proc.stderr
+
+
+def test_kernel_warning_is_one_console_line():
+    import io
+    import warnings
+
+    import subprocess
+    import sys
+
+    from qwen3_research.kernels.registry import KernelMatchWarning, _show_warning
+
+    buf = io.StringIO()
+    _show_warning("kernel entry 'moe_fast' matches no module", KernelMatchWarning, "registry.py", 140, file=buf)
+    assert buf.getvalue() == "warning: kernel entry 'moe_fast' matches no module\n"
+    # ... and it is the hook a fresh process uses once the registry is imported (pytest swaps hooks per test).
+    code = ("import warnings; from qwen3_research.kernels.registry import KernelMatchWarning; "
+            "warnings.warn('x', KernelMatchWarning); warnings.warn('x', KernelMatchWarning)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stderr == "warning: x\n", out.stderr
