@@ -193,6 +193,11 @@ class WandbSink(MetricSink):
                 stacklevel=2,
             )
             try:
+                import wandb
+
+                # The failed online attempt leaves its W&B service holding this run id: start a fresh one,
+                # or the offline run's records land in the online attempt's directory and never close.
+                wandb.teardown()
                 self.run = self._init(config, "offline")
             except Exception as e2:  # noqa: BLE001
                 self._fail("offline fallback", e2)

@@ -60,9 +60,12 @@ def test_metrics_are_complete_and_sane(default_run):
 def test_run_dir_layout_and_wandb_history_match_metrics(default_run):
     run_dir, _, _ = default_run
     assert (run_dir / ".hydra" / "config.yaml").is_file()
-    import yaml
+    from omegaconf import OmegaConf
 
-    saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    from qwen3_research.config import register_configs
+
+    register_configs()  # the resolvers .hydra/config.yaml's interpolations use (model.flavor's default)
+    saved = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
     records = wandb_records(run_dir)
     run = next(r for r in records if r["type"] == "run")["run"]
     config = run["config"]["update"]
