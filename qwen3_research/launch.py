@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -85,7 +88,47 @@ def worker(resolved: dict, info: dict) -> dict:
 def _recorded_worker(resolved: dict, info: dict) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(worker)(resolved, info)
+    try:
+        # SIGINT was held since the spawn (_sigint_held_for_workers); a Ctrl-C that came while this process
+        # imported torch is delivered here, where it raises KeyboardInterrupt instead of a traceback.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        return record(worker)(resolved, info)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop: exit quietly, 128 + SIGINT
+        # The agent passes the launcher's SIGINT on as well: a second one must not interrupt the exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.exit(128 + signal.SIGINT)
+
+
+@contextmanager
+def _sigint_held_for_workers():
+    """Start the workers with SIGINT blocked, and put this process's signal handlers back afterwards.
+
+    A Ctrl-C reaches every process of the foreground group; a worker that gets it while ``spawn`` is
+    still unpickling (importing torch, seconds) would print a KeyboardInterrupt traceback per rank before
+    any of our code runs. A blocked signal stays pending and the mask is inherited across fork and exec
+    (CPython's resource tracker starts the same way), so the worker receives it once
+    ``_recorded_worker`` unblocks it. This thread blocks SIGINT while it spawns; a helper thread that does
+    not block it receives SIGINT for this process, and Python runs the handler (the elastic agent's, which
+    stops the workers) in the main thread as usual. Elastic leaves its handlers installed when it returns:
+    they are restored, so a Ctrl-C while the summary is written is a KeyboardInterrupt, not a traceback.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # now: starting it later would unblock SIGINT in this thread
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    done = threading.Event()
+    threading.Thread(target=done.wait, name="sigint-receiver", daemon=True).start()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        done.set()
 
 
 def finite_json(summary: dict) -> dict:
@@ -142,7 +185,8 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, _recorded_worker)(resolved, asdict(info))
+        with _sigint_held_for_workers():
+            results = elastic_launch(config, _recorded_worker)(resolved, asdict(info))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)

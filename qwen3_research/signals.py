@@ -47,7 +47,10 @@ class StopOnSignal:
 
     def __exit__(self, *exc) -> None:
         for s, old in self._old.items():
-            signal.signal(s, old)
+            # A rank of a worker group that stops on a signal ignores the next ones: a Ctrl-C reaches it twice
+            # (from the terminal and from the launcher's agent), and the agent ends the shutdown, forcing it
+            # after its timeout. A KeyboardInterrupt while the rank exits would print a traceback per rank.
+            signal.signal(s, signal.SIG_IGN if self.signum and self.world_size > 1 else old)
 
     def requested(self) -> int:
         """The signal to stop on (0 = go on), the same on every rank."""
