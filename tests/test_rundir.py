@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -272,6 +274,81 @@ def test_ctrl_c_at_any_moment_exits_130(tmp_path, moment):
         assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     if moment == "training":
         assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+def _tagged(tag: str) -> list:
+    """Live processes (zombies aside) whose environment carries the tag: the launcher and all it started."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("QWEN3_TEST_TAG") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def _workers_importing_torch(pid: int) -> int:
+    """The launcher's spawned workers that have begun loading torch (libtorch mapped; the import takes seconds)."""
+    import psutil
+
+    n = 0
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            n += "spawn_main" in " ".join(p.cmdline()) and "libtorch" in Path(f"/proc/{p.pid}/maps").read_text()
+        except (psutil.Error, OSError):
+            pass
+    return n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to, moment", [("group", "start-up"), ("launcher", "start-up"), ("group", "training")],
+                         ids=["group-start-up", "launcher-start-up", "group-training"])
+def test_ctrl_c_in_a_two_rank_run_exits_130(tmp_path, to, moment):
+    """Ctrl-C reaches the whole foreground group (launcher and both workers) or only the launcher (its agent
+    passes it on). start-up: the workers are still importing torch; training: a metrics row. (SIGINT to the
+    launcher alone during training takes the agent's path of the group case; left out to save ~40 s.)"""
+    from qwen3_research.rundir import LOCK_NAME, RunDirLock
+
+    run, tag = tmp_path / "r", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "qwen3_research", *QUICK, *DP2, "training.steps=50", "logging.wandb.mode=disabled",
+           f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(QWEN3_TEST_TAG=tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as in a shell
+    try:
+        ready = {"start-up": lambda: _workers_importing_torch(proc.pid) >= 2 and not (run / "metrics.jsonl").exists(),
+                 "training": lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 1}[moment]
+        deadline = time.time() + 240
+        while not ready() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None and ready(), f"never reached {moment}: {proc.poll()}"
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(moment, to, err[-800:])
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("interrupted by SIGINT")]
+    assert len(lines) == 1, err[-3000:]  # one line for the run, not one per rank
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["reason"] == lines[0]
+    if moment == "training":
+        m = re.match(r"interrupted by SIGINT after step (\d+); checkpoint saved to (\S+);", lines[0])
+        assert m and int(m[1]) >= read_metrics(run)[0]["step"] and Path(m[2]).is_dir(), lines[0]
+        assert Path(m[2]).name == f"step-{int(m[1]):08d}"
+    deadline = time.time() + 15  # no worker (nor the resource tracker) outlives the launcher
+    while _tagged(tag) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _tagged(tag), [(p.pid, p.cmdline()) for p in _tagged(tag)]
+    assert not (run / LOCK_NAME).exists()  # released: the next run (checkpoint.resume=auto) may own the dir
+    RunDirLock(run).acquire().release()
 
 
 # -- weaker cases ------------------------------------------------------------------------------------
