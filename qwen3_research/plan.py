@@ -39,6 +39,7 @@ class RankPlan:
     traced: dict  # category -> bytes at the traced peak (MemTracker's categories)
     peak: int  # traced peak live tensor bytes
     estimate: dict = field(default_factory=dict)  # closed form: category -> bytes, and "peak"
+    even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Plan:
     tokens_per_step: int
     flops_per_step: float
     trace_s: float
+    mirrored: list[int] = field(default_factory=list)  # ranks not traced: same shapes as rank 0 (see make_plan)
 
     @property
     def peak(self) -> int:
@@ -74,7 +76,14 @@ class Plan:
     def as_dict(self) -> dict:
         """What a run records (W&B config, summary.json) and a sweep compares."""
         return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
-                "verdict": self.verdict, "per_rank_peak_gib": {r.rank: round(r.peak / GIB, 4) for r in self.ranks}}
+                "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+
+    def per_rank_peak(self) -> dict[int, int]:
+        """Peak bytes of rank 0 and the largest rank (a mirrored rank has rank 0's)."""
+        out = {r.rank: r.peak for r in self.ranks}
+        for rank in self.mirrored:
+            out[rank] = self.ranks[0].peak
+        return dict(sorted(out.items()))
 
 
 # -- the trace ---------------------------------------------------------------------------------
@@ -102,15 +111,34 @@ def _enum_key(value: str):
     return value
 
 
+def peak_tracker():
+    """PyTorch's MemTracker, keeping only the whole-rank peak.
+
+    MemTracker updates a per-module peak after every operator by walking every module it has seen
+    (a weak dictionary of ~10 per decoder layer) -- O(operators x modules), 73 % of an 11-minute
+    4B trace. The whole-rank peak and its per-category snapshot are updated exactly as upstream
+    does (``_update_peak_stats``, second loop); per-module peaks, which nothing here reads, are not.
+    """
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)  # ints: a shallow copy is upstream's deepcopy
+
+    return PeakTracker()
+
+
 def track_step(trainer, step_fn):
     """Run ``step_fn`` (one training step of ``trainer``) under MemTracker; return (its result, peak bytes per rank).
 
     Collective when the run has several ranks (every rank calls it at the same step).
     """
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = peak_tracker()
     tracker.track_external(trainer.backend.model, trainer.optimizer)
     with tracker:
         result = step_fn()
@@ -146,7 +174,10 @@ def _meta_build_outside_fake_mode():
     """The meta-device model build and the device mesh run with the fake mode paused: fake *meta*
     parameters cannot be moved by ``to_empty`` when two modules share one (tied embeddings), plain meta
     ones can (``to_empty`` under the fake mode then makes them fake CPU tensors); the mesh reads its
-    rank map with ``tolist``."""
+    rank map with ``tolist``. ``all_gather_object`` (the Trainer gathers every rank's device facts)
+    pickles into tensors and reads their sizes back, which fake tensors do not have: each slot gets
+    this rank's object."""
+    import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from qwen3_research import titan
@@ -163,11 +194,17 @@ def _meta_build_outside_fake_mode():
         with unset_fake_temporarily():
             return dims(*args, **kwargs)
 
+    def gather_object_locally(object_list, obj, group=None):  # the fake group carries no other rank's object
+        object_list[:] = [obj] * len(object_list)
+
+    gather = dist.all_gather_object
     titan.build_model, parallel.build_parallel_dims = build_unfaked, dims_unfaked
+    dist.all_gather_object = gather_object_locally
     try:
         yield
     finally:
         titan.build_model, parallel.build_parallel_dims = build, dims
+        dist.all_gather_object = gather
 
 
 def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
@@ -175,7 +212,6 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from qwen3_research.config import to_run_config
@@ -193,12 +229,13 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
         with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _meta_build_outside_fake_mode(), \
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
-            tracker = MemTracker()
+            tracker = peak_tracker()
             tracker.track_external(trainer.backend.model, trainer.optimizer)
             with tracker:
                 _fake_step(trainer)
             cats, peak = _snapshot_bytes(tracker)
-        return RankPlan(rank, cats, peak)
+            even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
+        return RankPlan(rank, cats, peak, even_shards=even)
     finally:
         if trainer is not None:
             trainer.close()
@@ -209,6 +246,25 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def evenly_sharded(model) -> bool:
+    """True when every parameter's sharded dimensions divide evenly over their mesh axes.
+
+    Then every rank holds local parameters, gradients and optimizer state of the same shapes, gets a
+    batch of the same shape (data parallel) or the same slice sizes (tensor parallel), and runs the
+    same operators: its live bytes are rank 0's at every point of the step. An uneven dimension gives
+    the last rank smaller shards (torch's Shard: ceil-sized leading shards), so both are traced.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for axis, placement in enumerate(p.placements):
+            if isinstance(placement, Shard) and p.shape[placement.dim] % p.device_mesh.size(axis):
+                return False
+    return True
 
 
 # -- the closed form ---------------------------------------------------------------------------
@@ -288,8 +344,9 @@ def capacity(rc) -> tuple[float, str]:
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
-def make_plan(resolved: dict) -> Plan:
-    """Validate like a run, then trace rank 0 and the largest rank."""
+def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
+    """Validate like a run, then trace rank 0 and the largest rank (only rank 0 when every shard is even,
+    unless ``trace_all``)."""
     from qwen3_research import models
     from qwen3_research.config import resolve_batch_size, to_run_config, validate
     from qwen3_research.parallel import validate_degrees
@@ -311,13 +368,17 @@ def make_plan(resolved: dict) -> Plan:
     world = degrees.world_size
     ranks = []
     est = estimate(rc, degrees, facts)
+    mirrored = []
     for rank in sorted({0, world - 1}):
+        if rank and ranks[0].even_shards and not trace_all:
+            mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
+            continue
         rp = trace_rank(traced, rank, world)
         rp.estimate = est
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
     flops = _flops_per_token(rc) * tokens
-    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0)
+    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored)
 
 
 def _flops_per_token(rc) -> float:
@@ -340,6 +401,9 @@ def render(plan: Plan) -> str:
 
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
+    if plan.mirrored:
+        lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
+                     "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
     head = "GiB per rank".ljust(22) + "".join(f"traced r{r.rank}".rjust(12) for r in plan.ranks) + "closed form".rjust(13)
     lines += [head, "-" * len(head)]
     est = plan.ranks[0].estimate
@@ -372,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     as_json = "--json" in argv  # also one JSON line (per-rank bytes) after the table, for scripts
-    argv = [a for a in argv if a != "--json"]
+    trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
+    argv = [a for a in argv if a not in ("--json", "--trace-all-roles")]
     try:
-        plan = make_plan(compose(argv))
+        plan = make_plan(compose(argv), trace_all=trace_all)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -382,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         import json
 
-        print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": {r.rank: r.peak for r in plan.ranks},
+        print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": plan.per_rank_peak(), "mirrored_ranks": plan.mirrored,
                           "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
                           "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
                           "flops_per_step": plan.flops_per_step}), flush=True)
