@@ -170,41 +170,53 @@ def _fake_step(trainer) -> None:
 
 
 @contextlib.contextmanager
-def _meta_build_outside_fake_mode():
-    """The meta-device model build and the device mesh run with the fake mode paused: fake *meta*
-    parameters cannot be moved by ``to_empty`` when two modules share one (tied embeddings), plain meta
-    ones can (``to_empty`` under the fake mode then makes them fake CPU tensors); the mesh reads its
-    rank map with ``tolist``. ``all_gather_object`` (the Trainer gathers every rank's device facts)
-    pickles into tensors and reads their sizes back, which fake tensors do not have: each slot gets
-    this rank's object."""
+def _as_outside_fake_mode():
+    """What a real run does on the host, or in its own fake mode, done so under the plan's fake mode too.
+
+    - The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
+      moved by ``to_empty`` when two modules share one (tied embeddings), plain meta ones can
+      (``to_empty`` under the fake mode then makes them fake CPU tensors).
+    - A device mesh (built by ``parallel.build_parallel_dims``, or concatenated by FSDP over tensor
+      parallel) reads its rank map with ``tolist`` and ``nonzero``: host work, fake mode paused.
+    - DTensor's sharding propagation runs each operator on global-shape fake tensors to learn the
+      output's shape, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a fresh mode that
+      MemTracker ignores, under the plan the plan's own mode, whose global-shape temporaries MemTracker
+      would count as this rank's memory (the optimizer's foreach ops over every parameter: 8x the
+      parameter bytes of the real peak at tp=2). It gets a fresh mode here too.
+    - ``all_gather_object`` (the Trainer gathers every rank's device facts) pickles into tensors and
+      reads their sizes back, which fake tensors do not have; the fake group has no other rank
+      either: each slot gets this rank's object.
+    """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    from qwen3_research import titan
+    from qwen3_research import parallel, titan
 
-    from qwen3_research import parallel
+    def unfaked(fn):
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return call
 
-    build, dims = titan.build_model, parallel.build_parallel_dims
-
-    def build_unfaked(model_config):
-        with unset_fake_temporarily():
-            return build(model_config)
-
-    def dims_unfaked(*args, **kwargs):  # the device mesh reads its rank map on the host
-        with unset_fake_temporarily():
-            return dims(*args, **kwargs)
-
-    def gather_object_locally(object_list, obj, group=None):  # the fake group carries no other rank's object
+    def gather_object_locally(object_list, obj, group=None):
         object_list[:] = [obj] * len(object_list)
 
-    gather = dist.all_gather_object
-    titan.build_model, parallel.build_parallel_dims = build_unfaked, dims_unfaked
-    dist.all_gather_object = gather_object_locally
+    patches = [(titan, "build_model", unfaked(titan.build_model)),
+               (parallel, "build_parallel_dims", unfaked(parallel.build_parallel_dims)),
+               (DeviceMesh, "__init__", unfaked(DeviceMesh.__init__)),
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                unfaked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+               (dist, "all_gather_object", gather_object_locally)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        titan.build_model, parallel.build_parallel_dims = build, dims
-        dist.all_gather_object = gather
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
@@ -226,7 +238,7 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
             dist.destroy_process_group()
         if world > 1:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _meta_build_outside_fake_mode(), \
+        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _as_outside_fake_mode(), \
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
             tracker = peak_tracker()
