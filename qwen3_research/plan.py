@@ -436,7 +436,7 @@ def render(plan: Plan) -> str:
         worst = max(plan.ranks, key=lambda r: r.peak)
         terms = sorted(worst.traced.items(), key=lambda kv: -kv[1])
         lines.append(f"does not fit: rank {worst.rank} needs {plan.peak_gib:.2f} GiB > {plan.capacity_gib:.2f} GiB; "
-                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v > 0))
+                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v >= 0.005 * GIB))
     return "\n".join(lines)
 
 
