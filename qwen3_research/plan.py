@@ -432,18 +432,20 @@ def render(plan: Plan) -> str:
     if plan.mirrored:
         lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
                      "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
-    head = "GiB per rank".ljust(22) + "".join(f"traced r{r.rank}".rjust(12) for r in plan.ranks) + "closed form".rjust(13)
+    # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
+    cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
+    head = "GiB per rank".ljust(22) + "".join(name.rjust(12) for name, _ in cols) + "closed form".rjust(13)
     lines += [head, "-" * len(head)]
     est = plan.ranks[0].estimate
     rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
             ("backward temps", "backward temps"), ("buffers", "buffers")]
     for label, key in rows:
-        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for r in plan.ranks)
+        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
                      + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
     for key in ("logits and loss", "fsdp gathered"):
         if key in est:
-            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(plan.ranks)) + g(est[key]).rjust(13))
-    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for r in plan.ranks)
+            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
+    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for _, r in cols)
                  + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
     lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
                  f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
