@@ -14,7 +14,7 @@ where gloo's reduce-scatter (CPU) copies its input -- the token embedding's unsh
 allocation of the CPU backend, not of this code (NCCL or Neuron collectives do not make it), so the
 plan does not model it.
 
-    python benchmarks/bench_plan.py            # all configurations (about 10 minutes on 2 cores)
+    python benchmarks/bench_plan.py            # all configurations (about 6 minutes on 2 busy cores)
     python benchmarks/bench_plan.py --quick    # the first two
 """
 
