@@ -3,9 +3,18 @@
 For each configuration, ``python -m qwen3_research.plan`` traces one step on fake tensors (no
 run), and a real run of the same config (``training.steps=1 training.track_memory=true``) measures
 its first step with PyTorch's MemTracker in every rank and writes ``peak_live_bytes_per_rank`` to
-summary.json. The table shows both per rank and their ratio (acceptance: within 15 %).
+summary.json. The table shows both per rank and their ratio (acceptance: within 15 %). When every
+shard is even the plan traces rank 0 only and gives the largest rank rank 0's bytes; that rank's
+own measurement is still in the table, which checks the claim.
 
-    python benchmarks/bench_plan.py            # all configurations (about 10 minutes on 2 cores)
+Measured on 2 cores (torch 2.14.1, torchtitan 0.3.0): dense configs, MoE single and tp2 match to the
+byte; MoE fsdp2 (chunked loss) predicts 8 % low. Its measured peak is in the last backward step,
+where gloo's reduce-scatter (CPU) copies its input -- the token embedding's unsharded fp32 gradient,
+78 MB -- on its worker thread; the fake process group returns the output without that copy. It is an
+allocation of the CPU backend, not of this code (NCCL or Neuron collectives do not make it), so the
+plan does not model it.
+
+    python benchmarks/bench_plan.py            # all configurations (about 6 minutes on 2 busy cores)
     python benchmarks/bench_plan.py --quick    # the first two
 """
 
@@ -48,14 +57,15 @@ def env() -> dict:
     return e
 
 
-def predict(overrides: list[str]) -> dict[int, int]:
-    """Per-rank predicted peak bytes (rank 0 and the largest rank), from the plan CLI's JSON line."""
+def predict(overrides: list[str]) -> tuple[dict[int, int], list[int]]:
+    """Per-rank predicted peak bytes (rank 0 and the largest rank), from the plan CLI's JSON line, and the
+    ranks not traced (their shapes are rank 0's: the plan gives them rank 0's bytes)."""
     out = subprocess.run([sys.executable, "-m", "qwen3_research.plan", "--json", *COMMON, *overrides], cwd=ROOT,
                          env=env(), capture_output=True, text=True, timeout=900)
     if out.returncode not in (0, 4):
         raise RuntimeError(f"plan failed ({out.returncode}): {out.stderr[-2000:]}")
     data = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
-    return {int(k): v for k, v in data["per_rank_peak_bytes"].items()}
+    return {int(k): v for k, v in data["per_rank_peak_bytes"].items()}, [int(r) for r in data.get("mirrored_ranks", [])]
 
 
 def measure(overrides: list[str], run_dir: Path) -> list[int]:
@@ -67,12 +77,13 @@ def measure(overrides: list[str], run_dir: Path) -> list[int]:
     return json.loads((run_dir / "summary.json").read_text())["peak_live_bytes_per_rank"]
 
 
-def compare(overrides: list[str]) -> list[tuple[int, int, int]]:
-    """[(rank, predicted bytes, measured bytes)] for the ranks the plan traces."""
-    predicted = predict(overrides)
+def compare(overrides: list[str]) -> list[tuple[int, int, int, bool]]:
+    """[(rank, predicted bytes, measured bytes, traced)] for rank 0 and the largest rank (traced False: the
+    plan gave it rank 0's bytes by symmetry, which its measurement checks)."""
+    predicted, mirrored = predict(overrides)
     with tempfile.TemporaryDirectory(prefix="qwen3_bench_plan_") as d:
         measured = measure(overrides, Path(d) / "run")
-    return [(r, p, measured[r]) for r, p in sorted(predicted.items())]
+    return [(r, p, measured[r], r not in mirrored) for r, p in sorted(predicted.items())]
 
 
 def main() -> int:
@@ -92,9 +103,10 @@ def main() -> int:
             last = [ln for ln in str(e).splitlines() if ln.strip()][-1:]
             print(f"| {name} | - | - | - | failed: {last[0][:200] if last else e} |", flush=True)
             continue
-        for rank, p, m in rows:
+        for rank, p, m, traced in rows:
             worst = max(worst, abs(p / m - 1))
-            print(f"| {name} | {rank} | {p / GIB:.4f} | {m / GIB:.4f} | {p / m:.3f} |", flush=True)
+            label = str(rank) if traced else f"{rank} (shapes of r0, not traced)"
+            print(f"| {name} | {label} | {p / GIB:.4f} | {m / GIB:.4f} | {p / m:.3f} |", flush=True)
     print(f"largest deviation {100 * worst:.1f} % (acceptance: <= 15 %)")
     return 0 if worst <= 0.15 and not failed else 1
 

@@ -4,15 +4,31 @@ It traces one real training step (forward, loss, backward, gradient clipping, op
 this project's own Trainer -- model build, torchtitan sharding, kernel overrides, the configured
 loss -- on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
 (``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
-(``torch.distributed._tools.mem_tracker``), once per rank role (rank 0 and the largest rank),
-so the prediction follows the code that will run. No tensor memory is allocated: 8B over 64
-ranks plans on a laptop. A closed-form estimate is printed beside it as a cross-check.
+(``torch.distributed._tools.mem_tracker``), so the prediction follows the code that will run. No
+tensor memory is allocated: 8B over 64 ranks plans on a laptop (4B over 64 FSDP ranks at seq 4096:
+about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-check.
 
-``--json`` adds one JSON line after the table. Exit status: 0 fits (with headroom, or tight: peak above 85 % of the capacity), 4 does not fit,
-2 configuration error (the same one line as a run), 1 the trace itself failed.
+Rank roles: rank 0 and the largest rank. When every sharded parameter dimension divides evenly over
+its mesh axis (``evenly_sharded``) every rank holds the same shapes and runs the same operators, so
+only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the largest rank anyway.
+
+Two things a real run does outside the tracked step are kept outside it here too
+(``_as_outside_fake_mode``): host work on the device mesh, and DTensor's sharding propagation, which
+runs operators on global-shape fake tensors in a fake mode of its own. The tracker keeps only the
+whole-rank peak (``peak_tracker``: upstream also walks every module after every operator).
+
+Not modelled: allocations a collective backend makes internally. On CPU, gloo's reduce-scatter copies
+its input on its worker thread, which the run's tracker sees (one FSDP unit's unsharded gradient: the
+MoE fsdp2 benchmark config measures 8 % above the plan); the fake group, like NCCL or Neuron
+collectives, does not.
+
+``--json`` adds one JSON line after the table. Exit status: 0 fits (with headroom, or tight: peak above
+85 % of the capacity), 4 does not fit (then the largest terms, largest first), 2 configuration error
+(the same one line as a run), 1 the trace itself failed.
 
 The same tracker measures a real run's first step with ``training.track_memory=true``
-(``peak_live_bytes_per_rank`` in summary.json), which is what the prediction is checked against.
+(``peak_live_bytes_per_rank`` in summary.json), which is what the prediction is checked against
+(``benchmarks/bench_plan.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ class RankPlan:
     traced: dict  # category -> bytes at the traced peak (MemTracker's categories)
     peak: int  # traced peak live tensor bytes
     estimate: dict = field(default_factory=dict)  # closed form: category -> bytes, and "peak"
+    even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
 
 
 @dataclass
@@ -51,6 +68,7 @@ class Plan:
     tokens_per_step: int
     flops_per_step: float
     trace_s: float
+    mirrored: list[int] = field(default_factory=list)  # ranks not traced: same shapes as rank 0 (see make_plan)
 
     @property
     def peak(self) -> int:
@@ -74,7 +92,14 @@ class Plan:
     def as_dict(self) -> dict:
         """What a run records (W&B config, summary.json) and a sweep compares."""
         return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
-                "verdict": self.verdict, "per_rank_peak_gib": {r.rank: round(r.peak / GIB, 4) for r in self.ranks}}
+                "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+
+    def per_rank_peak(self) -> dict[int, int]:
+        """Peak bytes of rank 0 and the largest rank (a mirrored rank has rank 0's)."""
+        out = {r.rank: r.peak for r in self.ranks}
+        for rank in self.mirrored:
+            out[rank] = self.ranks[0].peak
+        return dict(sorted(out.items()))
 
 
 # -- the trace ---------------------------------------------------------------------------------
@@ -102,15 +127,34 @@ def _enum_key(value: str):
     return value
 
 
+def peak_tracker():
+    """PyTorch's MemTracker, keeping only the whole-rank peak.
+
+    MemTracker updates a per-module peak after every operator by walking every module it has seen
+    (a weak dictionary of ~10 per decoder layer) -- O(operators x modules), 73 % of an 11-minute
+    4B trace. The whole-rank peak and its per-category snapshot are updated exactly as upstream
+    does (``_update_peak_stats``, second loop); per-module peaks, which nothing here reads, are not.
+    """
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)  # ints: a shallow copy is upstream's deepcopy
+
+    return PeakTracker()
+
+
 def track_step(trainer, step_fn):
     """Run ``step_fn`` (one training step of ``trainer``) under MemTracker; return (its result, peak bytes per rank).
 
     Collective when the run has several ranks (every rank calls it at the same step).
     """
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = peak_tracker()
     tracker.track_external(trainer.backend.model, trainer.optimizer)
     with tracker:
         result = step_fn()
@@ -142,32 +186,53 @@ def _fake_step(trainer) -> None:
 
 
 @contextlib.contextmanager
-def _meta_build_outside_fake_mode():
-    """The meta-device model build and the device mesh run with the fake mode paused: fake *meta*
-    parameters cannot be moved by ``to_empty`` when two modules share one (tied embeddings), plain meta
-    ones can (``to_empty`` under the fake mode then makes them fake CPU tensors); the mesh reads its
-    rank map with ``tolist``."""
+def _as_outside_fake_mode():
+    """What a real run does on the host, or in its own fake mode, done so under the plan's fake mode too.
+
+    - The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
+      moved by ``to_empty`` when two modules share one (tied embeddings), plain meta ones can
+      (``to_empty`` under the fake mode then makes them fake CPU tensors).
+    - A device mesh (built by ``parallel.build_parallel_dims``, or concatenated by FSDP over tensor
+      parallel) reads its rank map with ``tolist`` and ``nonzero``: host work, fake mode paused.
+    - DTensor's sharding propagation runs each operator on global-shape fake tensors to learn the
+      output's shape, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a fresh mode that
+      MemTracker ignores, under the plan the plan's own mode, whose global-shape temporaries MemTracker
+      would count as this rank's memory (the optimizer's foreach ops over every parameter: 8x the
+      parameter bytes of the real peak at tp=2). It gets a fresh mode here too.
+    - ``all_gather_object`` (the Trainer gathers every rank's device facts) pickles into tensors and
+      reads their sizes back, which fake tensors do not have; the fake group has no other rank
+      either: each slot gets this rank's object.
+    """
+    import torch.distributed as dist
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    from qwen3_research import titan
+    from qwen3_research import parallel, titan
 
-    from qwen3_research import parallel
+    def unfaked(fn):
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return call
 
-    build, dims = titan.build_model, parallel.build_parallel_dims
+    def gather_object_locally(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
 
-    def build_unfaked(model_config):
-        with unset_fake_temporarily():
-            return build(model_config)
-
-    def dims_unfaked(*args, **kwargs):  # the device mesh reads its rank map on the host
-        with unset_fake_temporarily():
-            return dims(*args, **kwargs)
-
-    titan.build_model, parallel.build_parallel_dims = build_unfaked, dims_unfaked
+    patches = [(titan, "build_model", unfaked(titan.build_model)),
+               (parallel, "build_parallel_dims", unfaked(parallel.build_parallel_dims)),
+               (DeviceMesh, "__init__", unfaked(DeviceMesh.__init__)),
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                unfaked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+               (dist, "all_gather_object", gather_object_locally)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        titan.build_model, parallel.build_parallel_dims = build, dims
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
@@ -175,7 +240,6 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from qwen3_research.config import to_run_config
@@ -190,15 +254,16 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
             dist.destroy_process_group()
         if world > 1:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _meta_build_outside_fake_mode(), \
+        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _as_outside_fake_mode(), \
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
-            tracker = MemTracker()
+            tracker = peak_tracker()
             tracker.track_external(trainer.backend.model, trainer.optimizer)
             with tracker:
                 _fake_step(trainer)
             cats, peak = _snapshot_bytes(tracker)
-        return RankPlan(rank, cats, peak)
+            even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
+        return RankPlan(rank, cats, peak, even_shards=even)
     finally:
         if trainer is not None:
             trainer.close()
@@ -209,6 +274,25 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def evenly_sharded(model) -> bool:
+    """True when every parameter's sharded dimensions divide evenly over their mesh axes.
+
+    Then every rank holds local parameters, gradients and optimizer state of the same shapes, gets a
+    batch of the same shape (data parallel) or the same slice sizes (tensor parallel), and runs the
+    same operators: its live bytes are rank 0's at every point of the step. An uneven dimension gives
+    the last rank smaller shards (torch's Shard: ceil-sized leading shards), so both are traced.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for axis, placement in enumerate(p.placements):
+            if isinstance(placement, Shard) and p.shape[placement.dim] % p.device_mesh.size(axis):
+                return False
+    return True
 
 
 # -- the closed form ---------------------------------------------------------------------------
@@ -288,8 +372,9 @@ def capacity(rc) -> tuple[float, str]:
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
-def make_plan(resolved: dict) -> Plan:
-    """Validate like a run, then trace rank 0 and the largest rank."""
+def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
+    """Validate like a run, then trace rank 0 and the largest rank (only rank 0 when every shard is even,
+    unless ``trace_all``)."""
     from qwen3_research import models
     from qwen3_research.config import resolve_batch_size, to_run_config, validate
     from qwen3_research.parallel import validate_degrees
@@ -311,13 +396,17 @@ def make_plan(resolved: dict) -> Plan:
     world = degrees.world_size
     ranks = []
     est = estimate(rc, degrees, facts)
+    mirrored = []
     for rank in sorted({0, world - 1}):
+        if rank and ranks[0].even_shards and not trace_all:
+            mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
+            continue
         rp = trace_rank(traced, rank, world)
         rp.estimate = est
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
     flops = _flops_per_token(rc) * tokens
-    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0)
+    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored)
 
 
 def _flops_per_token(rc) -> float:
@@ -340,18 +429,23 @@ def render(plan: Plan) -> str:
 
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
-    head = "GiB per rank".ljust(22) + "".join(f"traced r{r.rank}".rjust(12) for r in plan.ranks) + "closed form".rjust(13)
+    if plan.mirrored:
+        lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
+                     "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
+    # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
+    cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
+    head = "GiB per rank".ljust(22) + "".join(name.rjust(12) for name, _ in cols) + "closed form".rjust(13)
     lines += [head, "-" * len(head)]
     est = plan.ranks[0].estimate
     rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
             ("backward temps", "backward temps"), ("buffers", "buffers")]
     for label, key in rows:
-        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for r in plan.ranks)
+        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
                      + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
     for key in ("logits and loss", "fsdp gathered"):
         if key in est:
-            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(plan.ranks)) + g(est[key]).rjust(13))
-    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for r in plan.ranks)
+            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
+    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for _, r in cols)
                  + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
     lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
                  f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
@@ -360,7 +454,7 @@ def render(plan: Plan) -> str:
         worst = max(plan.ranks, key=lambda r: r.peak)
         terms = sorted(worst.traced.items(), key=lambda kv: -kv[1])
         lines.append(f"does not fit: rank {worst.rank} needs {plan.peak_gib:.2f} GiB > {plan.capacity_gib:.2f} GiB; "
-                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v > 0))
+                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v >= 0.005 * GIB))
     return "\n".join(lines)
 
 
@@ -372,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     as_json = "--json" in argv  # also one JSON line (per-rank bytes) after the table, for scripts
-    argv = [a for a in argv if a != "--json"]
+    trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
+    argv = [a for a in argv if a not in ("--json", "--trace-all-roles")]
     try:
-        plan = make_plan(compose(argv))
+        plan = make_plan(compose(argv), trace_all=trace_all)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -382,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         import json
 
-        print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": {r.rank: r.peak for r in plan.ranks},
+        print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": plan.per_rank_peak(), "mirrored_ranks": plan.mirrored,
                           "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
                           "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
                           "flops_per_step": plan.flops_per_step}), flush=True)

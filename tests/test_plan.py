@@ -67,15 +67,37 @@ def test_bad_input_is_the_same_one_line_as_a_run(bad, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dense single s128 full-loss AC none", "moe single s256 full-loss AC full"])
+@pytest.mark.parametrize("name", ["dense tp2 s256 chunked AC none", "moe fsdp2 s128 chunked AC none"])
 def test_prediction_within_15_percent_of_the_measured_peak(name):
+    """Two ranks each (tensor parallel with the vocabulary-parallel chunked loss; MoE under FSDP): the
+    plan traces rank 0 (even shards) and the run measures both ranks in its own first step."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_plan
 
     overrides = dict(bench_plan.CONFIGS)[name]
-    for rank, predicted, measured in bench_plan.compare(overrides):
-        print(f"{name} rank {rank}: predicted {predicted / GIB:.4f} GiB, measured {measured / GIB:.4f} GiB")
+    rows = bench_plan.compare(overrides)
+    assert [r for r, *_ in rows] == [0, 1]
+    for rank, predicted, measured, traced in rows:
+        print(f"{name} rank {rank}: predicted {predicted / GIB:.4f} GiB, measured {measured / GIB:.4f} GiB"
+              f"{'' if traced else ' (not traced: shapes of rank 0)'}")
         assert abs(predicted / measured - 1) <= 0.15
+
+
+def test_uneven_shards_trace_the_last_rank_too():
+    """tiny's dimensions (128, 384, 151,936) divide by 2 but not by 3: over 3 FSDP ranks the last rank holds
+    smaller shards, so the plan traces it as well; over 2 it traces rank 0 only and says so."""
+    base = ["parallelism=fsdp", "data.seq_len=32", "data.batch_size=1", "--json"]
+    three = _plan(base + ["parallelism.nproc_per_node=3"])
+    assert three.returncode == 0, three.stderr[-3000:]
+    data = _json_line(three)
+    assert data["mirrored_ranks"] == [] and "not traced" not in three.stdout and "traced r2" in three.stdout
+    traced = data["per_rank_traced_bytes"]
+    assert traced["2"]["params"] < traced["0"]["params"]  # ceil-sized leading shards: the last one is smaller
+    two = _plan(base)
+    assert two.returncode == 0, two.stderr[-3000:]
+    data = _json_line(two)
+    assert data["mirrored_ranks"] == [1] and "rank 1 not traced" in two.stdout
+    assert data["per_rank_peak_bytes"]["1"] == data["per_rank_peak_bytes"]["0"]
 
 
 NO_SEQ = [a for a in QUICK if not a.startswith("data.seq_len")]  # the sweeps below choose seq_len
