@@ -329,7 +329,9 @@ class Trainer:
                     self.device.synchronize()
                     t0 = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
-                    if t.track_memory and self.step == 0:  # peak live tensor bytes of one step, per rank
+                    # peak live tensor bytes of one steady step per rank: the second (AdamW's state exists),
+                    # or the first of a one-step run
+                    if t.track_memory and self.step == min(1, t.steps - 1):
                         from qwen3_research.plan import track_step
 
                         (loss, grad_norm), self.peak_live_bytes = track_step(self, lambda: self.train_step(self.step))

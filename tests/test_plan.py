@@ -1,7 +1,7 @@
 """python -m qwen3_research.plan, and sweeps that plan first and resume (issue 15).
 
 The plan traces one step of the real Trainer on fake tensors; a real run with training.track_memory=true
-measures its own first step. Points predicted not to fit are skipped before any worker starts; a sweep
+measures its own second step (the first with AdamW's state, like the traced one). Points predicted not to fit are skipped before any worker starts; a sweep
 started again in the same sweep dir runs only the points that are not ok yet.
 """
 
@@ -70,7 +70,7 @@ def test_bad_input_is_the_same_one_line_as_a_run(bad, tmp_path):
 @pytest.mark.parametrize("name", ["dense tp2 s256 chunked AC none", "moe fsdp2 s128 chunked AC none"])
 def test_prediction_within_15_percent_of_the_measured_peak(name):
     """Two ranks each (tensor parallel with the vocabulary-parallel chunked loss; MoE under FSDP): the
-    plan traces rank 0 (even shards) and the run measures both ranks in its own first step."""
+    plan traces rank 0 (even shards) and the run measures both ranks in its own second step."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_plan
 
