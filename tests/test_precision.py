@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import FAST, assert_ok, run_cli, train_losses, wandb_records
 
 ARGS = [a for a in FAST if not a.startswith(("data.batch_size", "logging.wandb"))] + [
-    "training.mixed_precision=bf16", "data.global_batch_tokens=128", "training.steps=2", "logging.wandb.mode=offline"]
+    "training.mixed_precision=bf16", "data.global_batch_tokens=128", "training.steps=1", "logging.wandb.mode=offline"]
 
 
 @pytest.mark.slow

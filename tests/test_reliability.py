@@ -86,7 +86,6 @@ def test_remote_code_in_a_model_directory_never_runs_by_default(tmp_path):
 # -- kill, interrupt, disk full, tampering ---------------------------------------------------------
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -114,10 +113,10 @@ def _losses_by_step(run_dir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_sigkill_at_five_random_steps_then_resume_is_exact(tmp_path):
+def test_sigkill_at_three_steps_then_resume_is_exact(tmp_path):
     steps = 7
     straight = _uninterrupted(tmp_path, steps)
-    kills = sorted(random.Random(8).sample(range(2, steps + 1), 5))
+    kills = [2, 4, steps]  # the first step with a checkpoint before it, the middle, the last
     print("kill steps", kills)
     for k in kills:
         run = tmp_path / f"kill{k}"
@@ -129,20 +128,6 @@ def test_sigkill_at_five_random_steps_then_resume_is_exact(tmp_path):
         assert f"at step {k - 1}" in proc.stdout
         got = _losses_by_step(run)
         assert [got[s] for s in range(1, steps + 1)] == straight, (k, got, straight)
-
-
-@pytest.mark.slow
-def test_sigkill_in_a_two_rank_run_then_resume_is_exact(tmp_path):
-    steps, k = 5, 4
-    dp2 = ["parallelism.nproc_per_node=2", "parallelism.dp_shard=2", "data.batch_size=1"]
-    straight = _uninterrupted(tmp_path, steps, dp2)
-    run = tmp_path / "kill"
-    proc = run_cli(QUICK + CKPT + dp2 + [f"training.steps={steps}", f"training.fault=kill@{k}:rank0"], run_dir=run)
-    assert proc.returncode != 0
-    proc = run_cli(QUICK + CKPT + dp2 + [f"training.steps={steps}", "checkpoint.resume=auto"], run_dir=run)
-    assert_ok(proc)
-    got = _losses_by_step(run)
-    assert [got[s] for s in range(1, steps + 1)] == straight
 
 
 @pytest.mark.slow

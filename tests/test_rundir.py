@@ -290,14 +290,16 @@ def _tagged(tag: str) -> list:
     return found
 
 
-def _workers_importing_torch(pid: int) -> int:
-    """The launcher's spawned workers that have begun loading torch (libtorch mapped; the import takes seconds)."""
+def _workers_started(pid: int) -> int:
+    """The launcher's worker processes, not the resource tracker: forked on CPU (the launcher's own command
+    line, torch already loaded: they build the Trainer), spawned on other devices (spawn_main, loading torch)."""
     import psutil
 
     n = 0
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            n += "spawn_main" in " ".join(p.cmdline()) and "libtorch" in Path(f"/proc/{p.pid}/maps").read_text()
+            cmd = " ".join(p.cmdline())
+            n += "resource_tracker" not in cmd and ("spawn_main" in cmd or "qwen3_research" in cmd)
         except (psutil.Error, OSError):
             pass
     return n
@@ -308,7 +310,7 @@ def _workers_importing_torch(pid: int) -> int:
                          ids=["group-start-up", "launcher-start-up", "group-training"])
 def test_ctrl_c_in_a_two_rank_run_exits_130(tmp_path, to, moment):
     """Ctrl-C reaches the whole foreground group (launcher and both workers) or only the launcher (its agent
-    passes it on). start-up: the workers are still importing torch; training: a metrics row. (SIGINT to the
+    passes it on). start-up: the workers exist and build the Trainer (no metrics yet); training: a metrics row. (SIGINT to the
     launcher alone during training takes the agent's path of the group case; left out to save ~40 s.)"""
     from qwen3_research.rundir import LOCK_NAME, RunDirLock
 
@@ -318,7 +320,7 @@ def test_ctrl_c_in_a_two_rank_run_exits_130(tmp_path, to, moment):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(QWEN3_TEST_TAG=tag), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as in a shell
     try:
-        ready = {"start-up": lambda: _workers_importing_torch(proc.pid) >= 2 and not (run / "metrics.jsonl").exists(),
+        ready = {"start-up": lambda: _workers_started(proc.pid) >= 2 and not (run / "metrics.jsonl").exists(),
                  "training": lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 1}[moment]
         deadline = time.time() + 240
         while not ready() and proc.poll() is None and time.time() < deadline:
