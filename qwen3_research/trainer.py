@@ -37,8 +37,17 @@ def dist_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# Set once a Trainer is built in this process (a single-process run, a sweep point run in-process, a
+# plan's fake-tensor trace): autograd may have started its threads here, and then a forked child cannot
+# use autograd (torch refuses: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). launch.py
+# spawns worker groups from such a process instead of forking them.
+built_in_this_process = False
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, info: RunInfo, resolved_config: dict):
+        global built_in_this_process
+        built_in_this_process = True
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(info.run_dir)
