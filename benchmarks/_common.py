@@ -78,19 +78,19 @@ class BareLoop:
                  flavor_obj=None):
         import torch
 
+        from qwen3_research import titan
         from qwen3_research.models.flavors import get_flavor
-        from qwen3_research.models.native import build_qwen3_config
 
         self.torch = torch
         self.flavor = flavor_obj or get_flavor(backend, flavor)
-        cfg = build_qwen3_config(self.flavor, "sdpa", "cpu")
+        cfg = titan.qwen3_model_config(self.flavor, "sdpa", "cpu")  # what model=native builds (models/native.py)
         with torch.device("meta"):
-            self.model = cfg.build()
-        self.num_params, self.flops_per_token = cfg.get_nparams_and_flops(self.model, seq_len)
+            self.model = titan.build_model(cfg)
+        self.num_params, self.flops_per_token = titan.nparams_and_flops(cfg, self.model, seq_len)
         self.model.to_empty(device="cpu")
         with torch.no_grad():
             torch.manual_seed(seed)
-            self.model.init_states(buffer_device=torch.device("cpu"))
+            titan.init_weights(self.model, torch.device("cpu"))
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=weight_decay, foreach=True)

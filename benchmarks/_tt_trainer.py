@@ -109,13 +109,13 @@ def build_tt_trainer(our_trainer, batches, *, steps: int, log_freq: int = 1, dum
     from torchtitan.trainer import Trainer as TTTrainer
 
     from qwen3_research.data import tokenizer_path
-    from qwen3_research.models.native import build_qwen3_config
+    from qwen3_research.titan import qwen3_model_config
 
     apply_cpu_workarounds()
     cfg = our_trainer.cfg
     flavor = our_trainer.backend.flavor
     spec = dataclasses.replace(model_registry("debugmodel"), flavor=cfg.model.flavor,
-                               model=build_qwen3_config(flavor, "sdpa", "cpu"))
+                               model=qwen3_model_config(flavor, "sdpa", "cpu"))
     if not flavor.num_experts:
         spec = dataclasses.replace(spec, post_optimizer_build_fn=None)
     o = cfg.optimizer

@@ -45,17 +45,17 @@ def main(argv=None):
     dev = torch.device("cuda", 0)
 
     # Bare loop: same torchtitan config (SDPA, as model.attention=sdpa above), same seed and init.
+    from qwen3_research import titan
     from qwen3_research.models.flavors import get_flavor
-    from qwen3_research.models.native import build_qwen3_config
 
     flavor = get_flavor("native", args.flavor)
-    cfg = build_qwen3_config(flavor, "sdpa", "cuda")
+    cfg = titan.qwen3_model_config(flavor, "sdpa", "cuda")
     with torch.device("meta"):
-        model = cfg.build()
+        model = titan.build_model(cfg)
     model.to_empty(device=dev)
     with torch.no_grad():
         torch.manual_seed(0)
-        model.init_states(buffer_device=dev)
+        titan.init_weights(model, dev)
     model.train()
     fwd = torch.compile(model) if not args.no_compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
