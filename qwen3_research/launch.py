@@ -172,9 +172,9 @@ def _start_method(rc: RunConfig) -> str:
     device runtimes are not fork-safe once anything has touched them, so the workers start fresh
     (torchrun's default).
 
-    Nor when this process has built a Trainer before (a sweep whose earlier points ran in-process, or
-    that planned its points): autograd may have started its threads, and torch refuses autograd in a
-    child forked after that.
+    The workers are spawned on CPU too when this process has built a Trainer before (a sweep that planned
+    its points, or ran some of them in-process): autograd may have started its threads, and torch refuses
+    autograd in a child forked after that.
     """
     from qwen3_research import trainer
     from qwen3_research.device import resolve_device_type
