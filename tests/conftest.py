@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Small and quick: 32-token sequences, 2 per rank, 3 steps, no eval.
@@ -34,10 +36,17 @@ def cli_env(**extra) -> dict:
 
 def run_cli(args: list[str], *, run_dir: Path | None = None, timeout: float = 300, module: str = "qwen3_research",
             env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", module, *args]
+    """`python -m <module> *args` in its own process: forked from this pytest process's warm server when the
+    environment allows (tests/warm_cli.py: the imports are done once, everything else is a fresh process), else
+    a plain subprocess. QWEN3_TESTS_COLD_CLI=1 makes every run a plain subprocess."""
     if run_dir is not None:
-        cmd.append(f"hydra.run.dir={run_dir}")
-    return subprocess.run(cmd, cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout)
+        args = [*args, f"hydra.run.dir={run_dir}"]
+    env = env or cli_env()
+    warm = warm_cli.run(module, args, cwd=cwd, env=env, base_env=cli_env(), timeout=timeout)
+    if warm is not None:
+        return warm
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

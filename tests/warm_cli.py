@@ -1,0 +1,290 @@
+"""A warm start for the CLI runs of the test suite: a server that has imported the heavy libraries forks one
+child per `python -m <module> ...` invocation.
+
+Why: a cold `python -m qwen3_research` spends ~6–7 s of a 3-step CPU run importing torch, torchtitan,
+transformers, datasets, hydra and W&B (measured with cProfile: 6.8 s of 10.3 s), and the suite starts about
+three hundred of them. Each test still gets its own process with the real entry point, argv, working directory,
+environment, stdout/stderr and exit status; only the third-party imports were already done before the fork,
+exactly as they are when the launcher forks its CPU workers (launch._start_method). Nothing of this package
+(qwen3_research) is imported before the fork, so its module state is fresh in every child.
+
+What is not warm (run_cli falls back to a plain subprocess):
+- QWEN3_TESTS_COLD_CLI=1 in the environment: every run is cold (use it to rule the server out);
+- an environment that differs from the server's in a variable that may be read at import time (anything but
+  QWEN3_*, WANDB_*, NEURON_*, SLURM_*: e.g. OMP_NUM_THREADS, TRITON_INTERPRET, PYTHONPATH);
+- tests that start their process with subprocess.Popen themselves (signal delivery, Ctrl-C during imports).
+
+Protocol (one Unix socket per pytest process): the client sends one JSON line {module, args, cwd, env, stdout,
+stderr}; the server forks, answers the child's pid, and when the child exits its wait status. stdout and stderr
+go to files the client names and reads afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COLD_ENV = "QWEN3_TESTS_COLD_CLI"
+# Read only at run time by the code under test, never at import time of a preloaded library.
+RUNTIME_ENV_PREFIXES = ("QWEN3_", "WANDB_", "NEURON_", "SLURM_")
+FORK_CLEAN = "not fork-clean, every run is cold"
+# Third-party only, and never torchtitan: qwen3_research pins torch._utils._get_available_device_type before its
+# first torchtitan import (device.prepare_torchtitan), because torchtitan reads the device type at import time.
+# The torch and other modules torchtitan pulls in are here instead (torchtitan's own import is then ~0.4 s).
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.tensor.experimental", "torch.distributed.pipelining",
+    "torch.distributed._composable.replicate_with_fsdp", "torch.distributed.elastic.multiprocessing",
+    "torch.distributed.launcher.api", "torch._dynamo", "torch._inductor.compile_fx",
+    "torch._functorch.partitioners", "torch.nn.attention.flex_attention", "torch.nn.attention.varlen",
+    "torch.distributed._tools.mem_tracker", "torch._subclasses.fake_tensor", "torch.utils.tensorboard",
+    "numpy", "safetensors.torch", "tokenizers", "datasets", "datasets.distributed", "torchdata", "tyro",
+    "tensorboard", "absl", "docstring_parser", "spmd_types.checker", "transformers",
+    "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "hydra", "hydra.main", "hydra._internal.utils", "hydra.core.utils", "omegaconf", "wandb",
+    "matplotlib", "matplotlib.pyplot",
+]
+
+
+# -- server ------------------------------------------------------------------------------------------------------
+
+
+def _in_a_forked_child(fn) -> int:
+    """fn()'s small int result, computed in a throwaway child so that nothing it touches stays in this process."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(int(fn()))
+        except BaseException:
+            os._exit(255)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _preload() -> list[str]:
+    """Import PRELOAD; what could not be imported, and why.
+
+    torchtitan.tools.utils asks torch.cuda.is_available() at import time, and with torch's CUDA build that call
+    marks every later fork as unable to use CUDA ("Cannot re-initialize CUDA in forked subprocess"), which the
+    CLI's forked CPU workers then trip over (a cold CLI process never imports torchtitan before its fork). So the
+    answer is computed once in a throwaway child and stands in for the call while the libraries are imported; a
+    probe fork afterwards checks that the server is still fork-clean, and if not the client runs everything cold.
+    """
+    import importlib
+
+    import torch
+
+    available = bool(_in_a_forked_child(torch.cuda.is_available))
+    real, torch.cuda.is_available = torch.cuda.is_available, lambda: available
+    missing = []
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # an optional library: the child imports it (or fails) as a cold run would
+                missing.append(f"{name} ({type(e).__name__})")
+    finally:
+        torch.cuda.is_available = real
+    if _in_a_forked_child(getattr(torch._C, "_cuda_isInBadFork", lambda: False)):
+        missing.append(f"{FORK_CLEAN}: a preloaded library initialised CUDA")
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("qwen3_research", "torchtitan"))
+    if ours:  # their module state must be a cold process's: stop being warm rather than differ
+        missing.append(f"{FORK_CLEAN}: {ours[0]} was imported")
+    return missing
+
+
+def _child(req: dict, fds: list[int]) -> None:
+    """Become `python -m req.module *req.args`; never returns."""
+    for fd in fds:
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if "numpy" in sys.modules:  # a cold process seeds numpy's global generator from the OS; so does each child
+        sys.modules["numpy"].random.seed()
+    sys.argv = [req["module"], *req["args"]]  # runpy replaces argv[0] with the module's file, as `-m` does
+    sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+    import runpy
+
+    code, by_sigint = 0, False
+    try:
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # as the interpreter reads it: None is 0, an int is the status, else print it, 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:  # an uncaught exception: the interpreter's traceback and status
+        sys.excepthook(type(e), e, e.__traceback__)
+        code, by_sigint = 1, isinstance(e, KeyboardInterrupt)
+    # The interpreter's shutdown up to its module teardown (Py_FinalizeEx: non-daemon threads, atexit, flush); the
+    # teardown of the ~4000 preloaded modules (2.5 s a run) changes nothing a test can see, so it is skipped.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if by_sigint:  # like CPython: end by SIGINT's default action, so the parent sees the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def serve(sock_path: str) -> None:
+    missing = _preload()
+    server_pid, parent = os.getpid(), os.getppid()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(8)
+    print(json.dumps({"ready": True, "missing": missing}), flush=True)
+    waiting: dict[int, socket.socket] = {}
+    while os.getppid() == parent:  # the pytest process that started this server is gone: stop
+        readable, _, _ = select.select([srv], [], [], 0.05)
+        if readable:
+            conn, _ = srv.accept()
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+            req = json.loads(buf)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(req, [srv.fileno(), conn.fileno(), *(c.fileno() for c in waiting.values())])
+            conn.sendall(f"{pid}\n".encode())
+            waiting[pid] = conn
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                code = os.waitstatus_to_exitcode(status)
+                try:
+                    conn.sendall(f"{code}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+    assert os.getpid() == server_pid
+    srv.close()
+
+
+# -- client ------------------------------------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, env: dict):
+        self.env = dict(env)
+        self.dir = tempfile.mkdtemp(prefix="warm-cli-")
+        self.sock = os.path.join(self.dir, "s")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_cli", self.sock], cwd=ROOT, env=self.env,
+                                     stdout=subprocess.PIPE, stderr=None, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"warm CLI server exited with {self.proc.wait()} before it was ready")
+        self.missing = json.loads(line)["missing"]
+        self.usable = not any(m.startswith(FORK_CLEAN) for m in self.missing)
+        if not self.usable:
+            print(f"warm_cli: {self.missing}", file=sys.stderr)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, module: str, args: list[str], *, cwd: Path, env: dict, timeout: float
+            ) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="warm-run-") as d:
+            out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+            req = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.sock)
+                s.sendall((json.dumps(req) + "\n").encode())
+                f = s.makefile("r")
+                pid = int(f.readline())
+                s.settimeout(timeout)
+                try:
+                    line = f.readline()
+                except (socket.timeout, TimeoutError):
+                    line = None
+                if not line:  # timed out (or the server died): kill the child as subprocess.run would
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    time.sleep(0.2)
+                    raise subprocess.TimeoutExpired([module, *args], timeout, Path(out).read_text(errors="replace"),
+                                                    Path(err).read_text(errors="replace"))
+                code = int(line)
+            return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code,
+                                               Path(out).read_text(errors="replace"),
+                                               Path(err).read_text(errors="replace"))
+
+
+_server: _Server | None = None
+_lock = threading.Lock()
+
+
+def _differs_only_at_run_time(env: dict, base: dict) -> bool:
+    keys = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
+    return all(k.startswith(RUNTIME_ENV_PREFIXES) for k in keys)
+
+
+def server(base_env: dict) -> _Server | None:
+    """This pytest process's server (started on first use), or None when runs must be cold."""
+    global _server
+    if os.environ.get(COLD_ENV) == "1":
+        return None
+    with _lock:
+        if _server is None or not _server.alive():
+            _server = _Server(base_env)
+        return _server
+
+
+def run(module: str, args: list[str], *, cwd: Path, env: dict, base_env: dict, timeout: float
+        ) -> subprocess.CompletedProcess | None:
+    """The run's result through the warm server, or None when this run must be cold (see the module doc)."""
+    if os.environ.get(COLD_ENV) == "1" or not _differs_only_at_run_time(env, base_env):
+        return None
+    srv = server(base_env)
+    return srv.run(module, args, cwd=cwd, env=env, timeout=timeout) if srv.usable else None
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
