@@ -360,7 +360,9 @@ def estimate(rc, degrees, facts: dict) -> dict:
 
 
 # -- the whole plan ----------------------------------------------------------------------------
-def compose(overrides: list[str]) -> dict:
+def compose(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None) -> dict:
+    """The resolved run config for ``overrides``: conf/config.yaml, or ``config_name`` found on conf/ plus
+    ``searchpath`` (a sweep file given with ``--config-dir sweeps --config-name tp_seq``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -375,8 +377,14 @@ def compose(overrides: list[str]) -> dict:
     if outer is not None:
         gh.clear()
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
+        # The first extra directory holds the named config (Hydra finds a primary config only there); conf/
+        # and the others are searched after it, as with the CLI's --config-dir.
+        first, extra = CONF_DIR, []
+        if searchpath:
+            first = searchpath[0].split("://", 1)[-1]
+            extra = [f"hydra.searchpath=[{','.join([*searchpath[1:], 'file://' + CONF_DIR])}]"]
+        with initialize_config_dir(config_dir=first, version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=[*extra, *overrides])
     except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
         raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
     finally:

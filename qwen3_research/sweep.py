@@ -134,12 +134,17 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     jobs = sweep_jobs(config)
     if not jobs:
         return {}
+    # Each point as the sweep composes it: the sweep's own config file (--config-name) on the directories
+    # given with --config-dir, not conf/config.yaml alone (whose nproc_per_node and batch may differ).
+    config_name = config.hydra.job.config_name or "config"
+    searchpath = [f"{s.schema}://{s.path}" for s in config.hydra.runtime.config_sources
+                  if s.provider == "command-line" and s.path]
     entries = {}
     rows = []
     for num, job in enumerate(jobs):
         label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
         try:
-            plan = make_plan(compose(list(job)))
+            plan = make_plan(compose(list(job), config_name=config_name, searchpath=searchpath))
             entry = plan.as_dict()
         except ConfigError as e:
             entry = {"error": f"config error: {e}"}

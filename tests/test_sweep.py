@@ -64,6 +64,10 @@ def test_tp_seq_sweep_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = _runs(sweep_dir)
     assert len(runs) == 4
+    # The plan composed each point from the sweep file (2 processes per point), not from conf/config.yaml alone.
+    plan = json.loads((sweep_dir / "plan.json").read_text())
+    assert len(plan) == 4 and not [e["error"] for e in plan.values() if "error" in e], plan
+    assert [len(e["per_rank_peak_gib"]) for e in plan.values()] == [2, 2, 2, 2], plan
     # 4 offline W&B runs, one group, distinct names, the swept keys as top-level config fields.
     groups, names = set(), set()
     for run in runs:
