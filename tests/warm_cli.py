@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,9 @@ PRELOAD = [
 
 def _in_a_forked_child(fn) -> int:
     """fn()'s small int result, computed in a throwaway child so that nothing it touches stays in this process."""
-    pid = os.fork()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         try:
             os._exit(int(fn()))
@@ -174,7 +177,9 @@ def serve(sock_path: str) -> None:
             req = json.loads(buf)
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            with warnings.catch_warnings():  # Python 3.12's "multi-threaded, use of fork()" note, here only
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:
                 _child(req, [srv.fileno(), conn.fileno(), *(c.fileno() for c in waiting.values())])
             conn.sendall(f"{pid}\n".encode())
