@@ -6,7 +6,7 @@ transformers, datasets, hydra and W&B (measured with cProfile: 6.8 s of 10.3 s),
 three hundred of them. Each test still gets its own process with the real entry point, argv, working directory,
 environment, stdout/stderr and exit status; only the third-party imports were already done before the fork,
 exactly as they are when the launcher forks its CPU workers (launch._start_method). Nothing of this package
-(qwen3_research) is imported before the fork, so its module state is fresh in every child.
+(qwen3_research) nor of torchtitan is imported before the fork, so their module state is fresh in every child.
 
 What is not warm (run_cli falls back to a plain subprocess):
 - QWEN3_TESTS_COLD_CLI=1 in the environment: every run is cold (use it to rule the server out);
@@ -25,6 +25,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,11 +63,15 @@ PRELOAD = [
 # -- server ------------------------------------------------------------------------------------------------------
 
 
+def _fork() -> int:
+    with warnings.catch_warnings():  # Python 3.12's "multi-threaded, use of fork()" note, in the server only
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
 def _in_a_forked_child(fn) -> int:
     """fn()'s small int result, computed in a throwaway child so that nothing it touches stays in this process."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = _fork()
     if pid == 0:
         try:
             os._exit(int(fn()))
@@ -158,7 +163,7 @@ def _child(req: dict, fds: list[int]) -> None:
 
 def serve(sock_path: str) -> None:
     missing = _preload()
-    server_pid, parent = os.getpid(), os.getppid()
+    parent = os.getppid()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path)
     srv.listen(8)
@@ -177,9 +182,7 @@ def serve(sock_path: str) -> None:
             req = json.loads(buf)
             sys.stdout.flush()
             sys.stderr.flush()
-            with warnings.catch_warnings():  # Python 3.12's "multi-threaded, use of fork()" note, here only
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = _fork()
             if pid == 0:
                 _child(req, [srv.fileno(), conn.fileno(), *(c.fileno() for c in waiting.values())])
             conn.sendall(f"{pid}\n".encode())
@@ -199,7 +202,6 @@ def serve(sock_path: str) -> None:
                 except OSError:
                     pass
                 conn.close()
-    assert os.getpid() == server_pid
     srv.close()
 
 
@@ -229,6 +231,7 @@ class _Server:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -237,6 +240,10 @@ class _Server:
             ) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="warm-run-") as d:
             out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+
+            def output(path: str) -> str:
+                return Path(path).read_text(errors="replace")
+
             req = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(self.sock)
@@ -254,12 +261,9 @@ class _Server:
                     except ProcessLookupError:
                         pass
                     time.sleep(0.2)
-                    raise subprocess.TimeoutExpired([module, *args], timeout, Path(out).read_text(errors="replace"),
-                                                    Path(err).read_text(errors="replace"))
+                    raise subprocess.TimeoutExpired([module, *args], timeout, output(out), output(err))
                 code = int(line)
-            return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code,
-                                               Path(out).read_text(errors="replace"),
-                                               Path(err).read_text(errors="replace"))
+            return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, output(out), output(err))
 
 
 _server: _Server | None = None
