@@ -220,6 +220,24 @@ def sum_gradients_over_dp(model, degrees: Degrees) -> float:
     return 1.0 / degrees.dp
 
 
+def reshard(model) -> None:
+    """Put every FSDP2 unit's parameters back to their shards after a forward that had no backward.
+
+    FSDP2 does not reshard the root unit after its forward (the backward that normally follows would
+    gather the same parameters again at once), and only the backward's final callback reshards it. An
+    evaluation forward under ``no_grad`` has no backward, so the root unit stays gathered and the model's
+    registered parameters are the unsharded tensors, not the DTensors the optimizer holds: DCP's
+    ``get_optimizer_state_dict`` then cannot map the optimizer's parameters to names (``KeyError`` on a
+    parameter index) and the next checkpoint save fails on every layout that shards (fsdp, hsdp, tp, ep:
+    torchtitan wraps the root in FSDP there too). ``FSDPModule.reshard()`` is a no-op on a resharded unit.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def local_bytes(tensor) -> int:
     """Bytes this rank actually holds for a tensor (the local shard of a DTensor)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor

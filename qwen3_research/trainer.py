@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research import device as devices
+from qwen3_research import parallel
 from qwen3_research.config import RunConfig
 
 
@@ -66,7 +67,7 @@ class Trainer:
         # device, LNC and environment as the worker sees them, for summary.json.
         self.device_facts = self._gather(self.device.facts(self._compute_dtype()))
 
-        from qwen3_research import models, parallel
+        from qwen3_research import models
         from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
 
         # Degrees (validated in the parent already; again here for torchrun starts).
@@ -286,9 +287,12 @@ class Trainer:
         model = self.backend.model
         model.eval()
         total = torch.zeros((), device=self.device.torch_device)
-        for b in batches:
-            total += self._loss(b.inputs.to(self.device.torch_device), b.labels.to(self.device.torch_device))
-        model.train()
+        try:
+            for b in batches:
+                total += self._loss(b.inputs.to(self.device.torch_device), b.labels.to(self.device.torch_device))
+        finally:
+            model.train()
+            parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
         return float(self._all_reduce_mean(total / len(batches)))
 
     def _memory_rows(self) -> list[dict]:
