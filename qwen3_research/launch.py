@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted
 from qwen3_research.trainer import RunInfo
@@ -272,7 +272,8 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        resolved = _resume_when_requeued(OmegaConf.to_container(cfg, resolve=True))
+        # training.mixed_precision=auto resolved here, so the workers, summary.json and W&B get the value used
+        resolved = _resume_when_requeued(resolve_auto_settings(OmegaConf.to_container(cfg, resolve=True)))
         rc = validate(to_run_config(resolved))
         from qwen3_research.device import prepare_launch
 
@@ -295,6 +296,11 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             from qwen3_research.checkpoint import preflight
 
             preflight(rc, run_path)
+        from qwen3_research import device as devices
+
+        if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
+            print(devices.VALIDATE_ONLY_LINE, flush=True)
+            return {"status": "validated"}
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})

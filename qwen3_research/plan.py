@@ -407,9 +407,10 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     """Validate like a run, then trace rank 0 and the largest rank (only rank 0 when every shard is even,
     unless ``trace_all``)."""
     from qwen3_research import models
-    from qwen3_research.config import resolve_batch_size, to_run_config, validate
+    from qwen3_research.config import resolve_auto_settings, resolve_batch_size, to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
+    resolved = resolve_auto_settings(resolved)  # on the run's device: the trace below runs on cpu
     rc = validate(to_run_config(resolved))
     facts = models.describe(rc.model)
     degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **facts)
