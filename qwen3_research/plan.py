@@ -140,6 +140,15 @@ def peak_tracker():
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # A second forward of the root module in one tracked step (training.grad_accum > 1) is refused upstream
+            # ("multiple iterative calls"; fix: reset_mod_stats). Only per-module stats are reset, which nothing
+            # here reads; the whole-rank peak below spans every micro-batch.
+            if not self._mod_tracker.is_bw and module in self.memory_tracking and \
+                    set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, dev_snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
