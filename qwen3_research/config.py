@@ -233,8 +233,8 @@ def resolve_auto_settings(resolved: dict) -> dict:
     before anything reads the config (a plan traces on CPU and must keep the Trainium value), so summary.json
     and W&B record the resolved value. A config option writes only its own section, so device=neuron cannot set
     this itself (tests/test_config.py::test_group_options_extend_their_schema)."""
-    training = resolved.get("training")
-    if not isinstance(training, dict) or training.get("mixed_precision", "auto") != "auto":
+    training = resolved.get("training", {})
+    if not isinstance(training, dict) or training.get("mixed_precision", "auto") != "auto":  # absent: the default
         return resolved
     value = auto_mixed_precision((resolved.get("device") or {}).get("type", "auto"))
     return {**resolved, "training": {**training, "mixed_precision": value}}
