@@ -77,7 +77,10 @@ def test_neuron_kernel_on_cpu_is_a_device_error(moe_model):
         resolve(moe_model, _cfg([("nki_moe", EXPERTS)], seq_len=256, option="nki_moe"), CPU)
 
 
-def test_seq_len_multiple_of_128_x_lnc(moe_model):
+def test_seq_len_multiple_of_128_x_lnc(moe_model, monkeypatch):
+    from tests.nki_contract_doubles import pretend_neuron_packages
+
+    pretend_neuron_packages(monkeypatch)  # a simulated Neuron host (the package check passes)
     neuron = SimpleNamespace(type="neuron", lnc=2)
     with pytest.raises(ConfigError) as e:
         resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=300, option="nki_rope"), neuron)
