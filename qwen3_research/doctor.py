@@ -89,45 +89,33 @@ def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def kernel_options(device_type: str) -> dict[str, str]:
+def kernel_options(device_type: str, lnc: int | None = None) -> dict[str, str]:
     """Every conf/kernels option -> '' if it can run on this host's ``device_type``, else why not."""
-    return {o: why for o, (why, _) in _kernel_options(device_type).items()}
+    return {o: why for o, (why, _) in _kernel_options(device_type, lnc).items()}
 
 
-def verifiable(option: str, device_type: str) -> bool:
+def verifiable(option: str, device_type: str, lnc: int | None = None) -> bool:
     """Whether verify_kernels has something to check for the option (references have no verify)."""
-    return _kernel_options(device_type).get(option, ("", False))[1]
+    return _kernel_options(device_type, lnc).get(option, ("", False))[1]
 
 
-def _kernel_options(device_type: str) -> dict[str, tuple[str, bool]]:
+def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple[str, bool]]:
+    """Per option: the reasons it cannot run here from the support check a run and verify_kernels make
+    (``kernels.registry.kernel_support``: device, LNC, environment, packages; the model's shapes come at
+    start-up), and whether verify_kernels has a check for it."""
     from omegaconf import OmegaConf
 
     from qwen3_research.__main__ import CONF_DIR
     from qwen3_research.kernels import load
+    from qwen3_research.kernels.registry import kernel_support
 
     kernels = load()
     out = {}
     for path in sorted(Path(CONF_DIR, "kernels").glob("*.yaml")):
         entries = OmegaConf.load(path).get("entries") or []
-        why = []
-        checks = False
-        for e in entries:
-            spec = kernels.get(e.name)
-            if spec is None:
-                why.append(f"unknown kernel {e.name}")
-                continue
-            req = spec.requirements
-            checks = checks or spec.verify is not None
-            if device_type not in req.devices:
-                why.append(f"{e.name} needs device {'|'.join(req.devices)}")
-            var = req.env.get(device_type)
-            if var and os.environ.get(var) != "1":
-                why.append(f"{e.name} runs on {device_type} only under {var}=1")
-            if e.name.startswith("nki") and not (_has("nki") or _has("nkilib")):
-                why.append(f"{e.name} needs the nki / nkilib packages")
-            if e.name.startswith("triton") and device_type == "cuda" and not _has("triton"):
-                why.append(f"{e.name} needs triton")
-        out[path.stem] = ("; ".join(dict.fromkeys(why)), checks)
+        why = kernel_support(entries, device_type, lnc, option=path.stem)
+        checks = any(kernels[e.name].verify is not None for e in entries if e.name in kernels)
+        out[path.stem] = ("; ".join(why), checks)
     return out
 
 
@@ -258,17 +246,26 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         rows.append(Row("compile backend", f"{cb} (compile.enable={str(rc.compile.enable).lower()})",
                         "ok" if rc.compile.enable else "info"))
 
-        options = kernel_options(ctx["device"])
+        options = kernel_options(ctx["device"], lnc)
         usable = [o for o, why in options.items() if not why and o != "none"]
-        ctx["kernels"] = [o for o in usable if verifiable(o, ctx["device"])]
+        ctx["kernels"] = [o for o in usable if verifiable(o, ctx["device"], lnc)]
         rows.append(Row("kernel options here", ", ".join(usable) or "none", "info"))
-        blocked = [f"{o} ({why})" for o, why in options.items() if why]
+        blocked = [f"{o} ({why.split('; ')[0]})" for o, why in options.items() if why]  # the first reason of each
         if blocked:
             rows.append(Row("kernel options not here", "; ".join(blocked), "info"))
         chosen = rc.kernels.option or "none"
         if options.get(chosen):
             rows.append(Row("kernels", f"kernels={chosen}: {options[chosen]}", "MISSING",
                             "choose one of the options that can run here (above)"))
+        elif rc.kernels.entries:  # the model's shapes too, as the run's workers check them (on a meta model here)
+            from qwen3_research.launch import check_kernels_without_device
+
+            try:
+                check_kernels_without_device(rc)
+                rows.append(Row("kernels", f"kernels={chosen}: the run's start-up checks pass for model.flavor="
+                                f"{rc.model.flavor}"))
+            except ConfigError as e:
+                rows.append(Row("kernels", str(e), "MISSING", "change the key the message names"))
 
     mode = os.environ.get("WANDB_MODE") or rc.logging.wandb.mode
     wb = _version("wandb")

@@ -29,7 +29,7 @@ def test_doctor_on_cpu_says_the_default_run_can_start():
     assert "device.type=auto -> cpu" in out
     assert "world size               ok      1 x 1 node(s) = 1 (nproc_per_node=-1: auto)" in out
     assert "process group            ok      gloo" in out
-    assert "nki_moe (nki_moe needs device neuron; nki_moe needs the nki / nkilib packages)" in out
+    assert "nki_moe (kernels=nki_moe needs device neuron (kernel nki_moe); " in out  # kernels.registry.kernel_support
     assert out.rstrip().endswith("the run can start here.")
 
 
