@@ -561,11 +561,18 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     """verify_kernels overrides for one kernel option: shapes the option's kernels take. On neuron the NKI Library
     kernels need seq_len % (128 x LNC) == 0 (rope_hf) and, for MoE, the kernel-sized flavor nki_debug (hidden 1024;
     the tiny flavors are refused: docs/KERNELS.md); elsewhere the small CPU shapes."""
-    moe = "moe" in option or option in ("fast", "reference")
+    from omegaconf import OmegaConf
+
+    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.kernels import load
+
+    kernels = load()
+    names = [e.name for e in OmegaConf.load(Path(CONF_DIR, "kernels", f"{option}.yaml")).get("entries") or []]
+    moe = any("GroupedExperts" in kernels[n].module_types for n in names if n in kernels)  # an expert kernel
     args = [f"model={'native_moe' if moe else 'native'}"]
     if device == "neuron":
         args += [f"data.seq_len={128 * (lnc or 2)}", "data.batch_size=1"]
-        if moe and option.startswith("nki"):
+        if moe and any(n.startswith("nki") for n in names):
             args.append("model.flavor=nki_debug")
     else:
         args += ["data.seq_len=32", "data.batch_size=2"]

@@ -165,4 +165,6 @@ def test_run_checks_on_neuron_use_one_core_and_kernel_shapes():
     assert verify_args("nki_moe", "neuron", 2) == ["model=native_moe", "data.seq_len=256", "data.batch_size=1",
                                                    "model.flavor=nki_debug"]
     assert verify_args("nki_rope", "neuron", 1) == ["model=native", "data.seq_len=128", "data.batch_size=1"]
+    assert verify_args("nki", "neuron", 2) == verify_args("nki_moe", "neuron", 2)  # both NKI kernels: the MoE flavor
     assert verify_args("fast", "cpu", None) == ["model=native_moe", "data.seq_len=32", "data.batch_size=2"]
+    assert verify_args("rope_fast", "cpu", None) == ["model=native", "data.seq_len=32", "data.batch_size=2"]
