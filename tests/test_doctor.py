@@ -29,7 +29,7 @@ def test_doctor_on_cpu_says_the_default_run_can_start():
     assert "device.type=auto -> cpu" in out
     assert "world size               ok      1 x 1 node(s) = 1 (nproc_per_node=-1: auto)" in out
     assert "process group            ok      gloo" in out
-    assert "nki_moe (kernels=nki_moe needs device neuron (kernel nki_moe); " in out  # kernels.registry.kernel_support
+    assert "nki_moe (kernels=nki_moe needs device neuron (kernel nki_moe))" in out  # kernels.registry.kernel_support
     assert out.rstrip().endswith("the run can start here.")
 
 
@@ -139,20 +139,19 @@ def test_doctor_on_a_host_missing_triton_says_install_it(tmp_path):
 def test_host_rows_one_free_core_is_enough_for_one_process(tmp_path, monkeypatch):
     """In-process: a single-process run (NEURON_RT_NUM_CORES=1) is not blocked by a process holding 60 of 64 cores,
     a 2-rank run needing cores 0-1 is; fi_info's efa provider is counted for two nodes."""
-    from qwen3_research import doctor
+    from qwen3_research.neuron_host import host_checks
 
     env = trn2_host(tmp_path, held={d: (7, "other") for d in range(15)})
     for k in ("PATH", "QWEN3_SYSFS_ROOT", "TORCH_NEURONX_NEFF_CACHE_DIR"):
         monkeypatch.setenv(k, env[k])
-    monkeypatch.setattr(doctor, "_titan_models_row", lambda: doctor.Row("torchtitan models", "not asked here"))
-    rows = {r.item: r for r in doctor.neuron_host_rows(1, 1, 2)}
+    rows = {r.item: r for r in host_checks(1, 1, 2)}
     assert rows["cores in use"].status == "info" and rows["cores in use"].value == "pid 7 (other) holds cores 0-59"
     assert rows["NEURON_RT_* set"].value == "none; the run's cores: NEURON_RT_NUM_CORES=1 (set for this single-process run)"
-    rows = {r.item: r for r in doctor.neuron_host_rows(2, 2, 2)}
+    rows = {r.item: r for r in host_checks(2, 2, 2)}
     assert rows["cores in use"].status == "MISSING" and "the run needs cores 0-1" in rows["cores in use"].fix
     assert (rows["EFA"].status, rows["EFA"].value) == ("ok", "fi_info -p efa: 2 efa endpoint(s) for parallelism.nnodes=2")
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-3")
-    rows = {r.item: r for r in doctor.neuron_host_rows(4, 1, 2)}
+    rows = {r.item: r for r in host_checks(4, 1, 2)}
     assert rows["NEURON_RT_* set"].status == "MISSING"
     assert rows["NEURON_RT_* set"].fix.startswith("NEURON_RT_VISIBLE_CORES=0-3 in the environment would give each of "
                                                   "the 4 ranks the same NeuronCores")
