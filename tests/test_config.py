@@ -261,3 +261,19 @@ def test_mixed_precision_auto_is_bf16_on_neuron_only(monkeypatch):
     assert validate(RunConfig()).training.mixed_precision == "none"  # a RunConfig built in code, on cpu
     _simulate_torchneuron(monkeypatch)
     assert resolved("auto")["mixed_precision"] == "bf16"
+
+
+def test_a_misspelled_key_in_an_experiment_preset_fails_at_compose_time(tmp_path):
+    """A global preset is typed by the run schema like any option: one line naming the key."""
+    import shutil
+
+    from qwen3_research.__main__ import format_compose_error
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "experiment" / "typo.yaml").write_text("# @package _global_\ntraining:\n  stepz: 3\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception) as e:
+            compose(config_name="config", overrides=["experiment=typo"])
+    assert format_compose_error(e.value) == ("config error: training.stepz: unknown key (Key 'stepz' not in "
+                                             "'TrainingConfig'); check the spelling, or print valid keys with --cfg job")
