@@ -167,14 +167,15 @@ def prepare_neuron_cores(world_size: int, env=None) -> str:
     (either variable set). A multi-process run must not inherit ``NEURON_RT_VISIBLE_CORES``: one this
     module set for an earlier single-process run (a sweep) is removed, one from the user is a ConfigError.
     Returns what the run's processes will see, for messages."""
+    ours = _set_by_us if env is None else {}  # a copy (the doctor's question) records nothing
     env = os.environ if env is None else env
     for var, value in list(_set_by_us.items()):
         if env.get(var) == value:
             env.pop(var)
-        _set_by_us.pop(var)
+        ours.pop(var, None)
     if world_size == 1:
         if not env.get(VISIBLE_CORES_ENV) and not env.get(NUM_CORES_ENV):
-            env[NUM_CORES_ENV] = _set_by_us[NUM_CORES_ENV] = "1"
+            env[NUM_CORES_ENV] = ours[NUM_CORES_ENV] = "1"
             return f"{NUM_CORES_ENV}=1 (set for this single-process run)"
         return ", ".join(f"{v}={env[v]}" for v in (VISIBLE_CORES_ENV, NUM_CORES_ENV) if env.get(v)) + " (from the environment)"
     if env.get(VISIBLE_CORES_ENV):

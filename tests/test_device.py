@@ -254,11 +254,13 @@ def no_core_pins(monkeypatch):
 def test_single_process_neuron_run_takes_one_core_and_a_worker_group_none(no_core_pins):
     """One process: NEURON_RT_NUM_CORES=1 (the runtime otherwise reserves every core of the host for it). A later
     64-rank run from the same process (a sweep) does not inherit it; a user's choice of cores is kept."""
-    env = {}
-    assert devices.prepare_neuron_cores(1, env=env) == "NEURON_RT_NUM_CORES=1 (set for this single-process run)"
-    assert env == {"NEURON_RT_NUM_CORES": "1"}
-    assert devices.prepare_neuron_cores(64, env=env).startswith("NEURON_RT_VISIBLE_CORES=<local rank> per rank")
-    assert env == {}  # ours removed: each rank gets its own core from torch_neuronx
+    assert devices.prepare_neuron_cores(1) == "NEURON_RT_NUM_CORES=1 (set for this single-process run)"
+    assert os.environ["NEURON_RT_NUM_CORES"] == "1"
+    assert devices.prepare_neuron_cores(64).startswith("NEURON_RT_VISIBLE_CORES=<local rank> per rank")
+    assert "NEURON_RT_NUM_CORES" not in os.environ  # ours removed: each rank gets its own core from torch_neuronx
+    env = {}  # a copy (the doctor asks this way): changed, but nothing recorded as ours
+    devices.prepare_neuron_cores(1, env=env)
+    assert env == {"NEURON_RT_NUM_CORES": "1"} and devices._set_by_us == {}
     env = {"NEURON_RT_VISIBLE_CORES": "5"}
     assert devices.prepare_neuron_cores(1, env=env) == "NEURON_RT_VISIBLE_CORES=5 (from the environment)"
     assert env == {"NEURON_RT_VISIBLE_CORES": "5"}
