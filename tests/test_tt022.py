@@ -352,3 +352,18 @@ def test_moe_token_groups_padded_to_128_on_simulated_neuron(monkeypatch):
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(wa, wb))
     if not LEGACY:  # 0.3.x's own module, unpadded, gives the same
         assert torch.equal(plain(x, counts), yb.detach())
+
+
+def test_moe_token_group_padding_has_static_shapes():
+    """The padding reads no tensor value: forward and backward run on fake tensors, for any routing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _backend("native_moe", seed=0).model
+    titan.align_token_groups(model, "neuron")
+    experts = next(m for m in model.modules() if type(m).__name__ == "GroupedExperts")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(384, 128)).requires_grad_(True)
+        y = experts(x, mode.from_tensor(torch.tensor([0, 37, 1, 129, 0, 0, 200, 17])))
+        y.sum().backward()
+    print(f"\n[torchtitan {titan.version()}] padded experts on fake tensors: y {tuple(y.shape)}, dx {tuple(x.grad.shape)}")
+    assert y.shape == x.shape == x.grad.shape
