@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 
 
-def _interrupted_while_importing(signum, frame):  # Ctrl-C before main() runs: 130, one line, no traceback
-    print("interrupted by SIGINT before training started; nothing was written", file=sys.stderr, flush=True)
-    os._exit(130)
+def _stopped_while_importing(signum, frame):  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line
+    print(f"interrupted by {signal.Signals(signum).name} before training started; nothing was written",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupted_while_importing)
+    signal.signal(signal.SIGINT, _stopped_while_importing)
+    signal.signal(signal.SIGTERM, _stopped_while_importing)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
@@ -200,7 +202,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 def _task(cfg: DictConfig):
     from qwen3_research.errors import TrainingError, WorkerGroupError
     from qwen3_research.launch import run
-    from qwen3_research.signals import Interrupted
+    from qwen3_research.signals import Interrupted, Terminated, signal_number
 
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()
@@ -219,12 +221,22 @@ def _task(cfg: DictConfig):
             # Optuna minimises what the task returns: the held-out loss when there is one.
             return summary.get("final_eval_loss") or summary["final_loss"]
         return summary
-    except Exception as e:  # noqa: BLE001
-        if multirun and isinstance(e, Interrupted) and os.environ.get("SLURM_JOB_ID"):
+    except (Interrupted, KeyboardInterrupt, Terminated) as e:
+        if multirun and os.environ.get("SLURM_JOB_ID"):
             # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
             # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
+            if isinstance(e, Interrupted):
+                print(str(e), file=sys.stderr, flush=True)
+            sys.exit(128 + signal_number(e))
+        if multirun:  # a signal stops the whole sweep, not only this point (the point saved as a run does)
+            from qwen3_research.sweep import stop_sweep
+
+            sys.exit(stop_sweep(Path(hc.sweep.dir), hc.runtime.output_dir, e))
+        if isinstance(e, Interrupted):
             print(str(e), file=sys.stderr, flush=True)
             sys.exit(e.exit_status)
+        raise
+    except Exception as e:  # noqa: BLE001
         if multirun:
             # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
             # launch.run already wrote its summary.json (status failed + reason) for the report.
@@ -233,27 +245,31 @@ def _task(cfg: DictConfig):
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")
-        if isinstance(e, Interrupted):
-            print(str(e), file=sys.stderr, flush=True)
-            sys.exit(e.exit_status)
         if isinstance(e, (WorkerGroupError, TrainingError)):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
         raise
 
 
-def _interrupted() -> None:
-    print("interrupted by SIGINT before training started (or after it ended); no checkpoint saved by this signal",
-          file=sys.stderr, flush=True)
-    sys.exit(130)
+def _interrupted(signum: int) -> None:
+    print(f"interrupted by {signal.Signals(signum).name} before training started (or after it ended); no checkpoint "
+          "saved by this signal", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C raises KeyboardInterrupt
+    from qwen3_research.signals import Terminated, raise_terminated
+
+    # From here Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated; inside the training loop both
+    # only ask the loop to stop after the step (qwen3_research.signals.StopOnSignal).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         _main()
     except KeyboardInterrupt:  # Ctrl-C at any moment: 130 and one line, never a traceback
-        _interrupted()
+        _interrupted(signal.SIGINT)
+    except Terminated:  # SIGTERM outside the loop: 143 and one line
+        _interrupted(signal.SIGTERM)
 
 
 def _main() -> None:

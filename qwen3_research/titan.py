@@ -229,8 +229,20 @@ def align_token_groups(model, device_type: str, align: int | None = None) -> int
 
 @functools.lru_cache(maxsize=None)
 def _aligned_experts_class(base):
+    if legacy():
+        # 0.2.x's forward would pad again with its Triton index kernel: its grouped-mm path, called directly.
+        from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+        def experts(self, x, counts):
+            w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in expert_weights(self))
+            return _run_experts_grouped_mm(w1, w2, w3, x, counts)
+    else:
+        experts = base.forward
+
     def forward(self, x, num_tokens_per_expert):
-        return _aligned_experts_forward(self, base, x, num_tokens_per_expert)
+        slot, padded_counts, M = padded_groups(num_tokens_per_expert, x.shape[0], self.group_align)
+        x_pad = x.new_zeros(M, x.shape[1]).index_copy(0, slot, x)
+        return experts(self, x_pad, padded_counts).index_select(0, slot)
 
     return type(base.__name__, (base,), {"forward": forward, "__module__": __name__})
 
@@ -254,19 +266,6 @@ def padded_groups(counts, rows: int, align: int):
     slot = pstart[e_of_row] + (r - start[e_of_row])
     return slot, padded.to(counts.dtype), M
 
-
-def _aligned_experts_forward(self, base, x, num_tokens_per_expert):
-    slot, padded_counts, M = padded_groups(num_tokens_per_expert, x.shape[0], self.group_align)
-    x_pad = x.new_zeros(M, x.shape[1]).index_copy(0, slot, x)
-    if legacy():
-        # 0.2.x's forward would pad again with its Triton index kernel; call its grouped-mm path directly.
-        from torchtitan.models.moe.moe import _run_experts_grouped_mm
-
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in expert_weights(self))
-        out = _run_experts_grouped_mm(w1, w2, w3, x_pad, padded_counts)
-    else:
-        out = base.forward(self, x_pad, padded_counts)
-    return out.index_select(0, slot)
 
 
 # -- model ------------------------------------------------------------------------------------

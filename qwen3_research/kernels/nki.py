@@ -78,10 +78,11 @@ MOE_OPTIONS = {"block_size": DEFAULT_BLOCK_SIZE, "tokens_per_call": MAX_ROWS_PER
 
 def row_chunks(rows: int, limit: int = MAX_ROWS_PER_CALL) -> list[int]:
     """Sizes of the calls ``rows`` routed rows are split into: each with ``size + 1 <= limit`` kernel
-    tokens, as even as possible (one call when they fit)."""
-    n = max(1, -(-rows // (limit - 1)))
-    base, extra = divmod(rows, n)
-    return [base + (i < extra) for i in range(n)]
+    tokens; full calls first, then the rest. Not balanced on purpose: every call adds its own worst-case
+    padding, up to min(E, rows)·(B-1) slots, so a small last call costs least (32,768 rows, E=128, B=256:
+    [32767, 1] -> 255 + 1 blocks; [16384, 16384] would be 191 + 191)."""
+    full, rest = divmod(rows, limit - 1)
+    return [limit - 1] * full + ([rest] if rest or not full else [])
 
 
 def chunk_counts(counts: torch.Tensor, start: int, stop: int) -> torch.Tensor:
