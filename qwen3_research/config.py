@@ -147,7 +147,9 @@ class TrainingConfig:
     eval_every: int = 20  # 0 disables evaluation
     eval_batches: int = 2
     grad_accum: int = 1
-    mixed_precision: str = "none"  # none | bf16: autocast, float32 parameters and optimizer state, in every layout
+    # none | bf16 (autocast, float32 parameters and optimizer state, in every layout) | auto: bf16 on neuron (AWS's
+    # Trainium recipes train in bf16), none elsewhere; resolved once at start-up (resolve_auto_settings)
+    mixed_precision: str = "auto"
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
     loss: str = "full"  # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss)
@@ -209,13 +211,37 @@ def to_run_config(cfg: dict | DictConfig) -> RunConfig:
 
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
-    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    cfg = resolve_auto_settings({k: v for k, v in cfg.items() if k != "hydra"})
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(getattr(e, "msg", None) or e).splitlines()[0]
         raise ConfigError(f"{key}: {msg}") from None
+
+
+def runs_on_neuron(device_type: str) -> bool:
+    """Whether ``device.type`` means a Trainium run: ``neuron``, or ``auto`` where TorchNeuron is installed
+    (the same rule as ``device.requested_device_kind``, without importing torch)."""
+    return device_type == "neuron" or (device_type == "auto" and importlib.util.find_spec("torch_neuronx") is not None)
+
+
+def resolve_auto_settings(resolved: dict) -> dict:
+    """``resolved`` (a plain config dict) with ``training.mixed_precision=auto`` replaced by the value this run
+    uses: bf16 on neuron, as AWS's Trainium recipes (torchtitan's ``mixed_precision_param`` default, bfloat16, in
+    parmoham-aws/test-repo-parmoham docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml); none on cpu and cuda. Call it
+    before anything reads the config (a plan traces on CPU and must keep the Trainium value), so summary.json
+    and W&B record the resolved value. A config option writes only its own section, so device=neuron cannot set
+    this itself (tests/test_config.py::test_group_options_extend_their_schema)."""
+    training = resolved.get("training", {})
+    if not isinstance(training, dict) or training.get("mixed_precision", "auto") != "auto":  # absent: the default
+        return resolved
+    value = auto_mixed_precision((resolved.get("device") or {}).get("type", "auto"))
+    return {**resolved, "training": {**training, "mixed_precision": value}}
+
+
+def auto_mixed_precision(device_type: str) -> str:
+    return "bf16" if runs_on_neuron(device_type) else "none"
 
 
 def resolve_batch_size(cfg: RunConfig, dp: int) -> int:
@@ -250,6 +276,8 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
+    if cfg.training.mixed_precision == "auto":  # not through to_run_config (a RunConfig built in code)
+        cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
     from qwen3_research.models.flavors import flavors_for  # light import: no torch
 
     m = cfg.model

@@ -92,7 +92,7 @@ def neuron_logical_core_count(lnc: int) -> int:
     visible-VNC count, torch_neuronx/csrc/core/NeuronDevice.cpp) asked in a child process, so the
     launching parent never starts a Neuron runtime itself."""
     code = "import torch_neuronx; print(torch_neuronx.device_count())"
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, LNC_ENV: str(lnc)},
+    proc = subprocess.run([sys.executable, "-c", code], env={**_env_without_our_core_limits(), LNC_ENV: str(lnc)},
                           capture_output=True, text=True, timeout=600)
     try:
         count = int(proc.stdout.strip().splitlines()[-1])
@@ -131,15 +131,78 @@ def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
 
 
 def prepare_launch(rc) -> int | None:
-    """Before any worker (or runtime) starts: resolve and export the LNC, and resolve
+    """Before any worker (or runtime) starts: resolve and export the LNC, resolve
     ``nproc_per_node=-1`` in ``rc`` (the launcher's copy; workers keep -1 and resolve it to the
-    world size they were started with, so the recorded config stays as configured). Returns the LNC."""
+    world size they were started with, so the recorded config stays as configured), and on neuron
+    give a single-process run one NeuronCore (``prepare_neuron_cores``). Returns the LNC."""
     kind = requested_device_kind(rc.device.type)
     lnc = resolve_lnc(rc.device.lnc, kind)
     export_lnc(lnc)
     n = resolve_nproc_per_node(rc.parallelism.nproc_per_node, kind, lnc)
     rc.parallelism.nproc_per_node = n
+    if kind == "neuron":
+        prepare_neuron_cores(n * rc.parallelism.nnodes)
     return lnc
+
+
+# -- NeuronCores a process reserves ----------------------------------------------------------------
+# By default the Neuron runtime initialises every NeuronCore of the host and reserves them for the process
+# that started it; a reserved core cannot be used by another process until that one ends (Neuron Runtime
+# configuration guide, "NeuronCore allocation":
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/neuron-runtime/guides/configuration-guide.html).
+# NEURON_RT_NUM_CORES (how many cores the process needs; 0 = all) and NEURON_RT_VISIBLE_CORES (which ones)
+# limit that (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/api/nrt-env-var-reference.html);
+# with LNC=2 the runtime counts logical cores. AWS's single-core smoke test of its Qwen3 recipe sets
+# NEURON_RT_NUM_CORES=1 (parmoham-aws/test-repo-parmoham, docs/torchtitan/qwen3/TorchTitan_Neuron_Tutorial_Qwen3_on_AWS_Trainium.md).
+# A worker group needs neither: torch_neuronx's process group sets NEURON_RT_VISIBLE_CORES=LOCAL_RANK in each
+# rank, but only when it is unset (torch_neuronx/distributed/backend.py, _set_rt_visible_cores, same repository),
+# so a value inherited from the launcher would give every rank the same cores.
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
+NUM_CORES_ENV = "NEURON_RT_NUM_CORES"
+_set_by_us: dict[str, str] = {}  # what prepare_neuron_cores put in os.environ (a sweep's later points undo it)
+
+
+def prepare_neuron_cores(world_size: int, env=None) -> str:
+    """A single-process neuron run takes one core: ``NEURON_RT_NUM_CORES=1`` unless the user chose cores
+    (either variable set). A multi-process run must not inherit ``NEURON_RT_VISIBLE_CORES``: one this
+    module set for an earlier single-process run (a sweep) is removed, one from the user is a ConfigError.
+    Returns what the run's processes will see, for messages."""
+    ours = _set_by_us if env is None else {}  # a copy (the doctor's question) records nothing
+    env = os.environ if env is None else env
+    for var, value in list(_set_by_us.items()):
+        if env.get(var) == value:
+            env.pop(var)
+        ours.pop(var, None)
+    if world_size == 1:
+        if not env.get(VISIBLE_CORES_ENV) and not env.get(NUM_CORES_ENV):
+            env[NUM_CORES_ENV] = ours[NUM_CORES_ENV] = "1"
+            return f"{NUM_CORES_ENV}=1 (set for this single-process run)"
+        return ", ".join(f"{v}={env[v]}" for v in (VISIBLE_CORES_ENV, NUM_CORES_ENV) if env.get(v)) + " (from the environment)"
+    if env.get(VISIBLE_CORES_ENV):
+        raise ConfigError(
+            f"{VISIBLE_CORES_ENV}={env[VISIBLE_CORES_ENV]} in the environment would give each of the {world_size} "
+            f"ranks the same NeuronCores (torch_neuronx sets it to the local rank only when it is unset); unset "
+            f"{VISIBLE_CORES_ENV}, or set parallelism.nproc_per_node=1 for a single-process run on those cores"
+        )
+    return f"{VISIBLE_CORES_ENV}=<local rank> per rank (set by torch_neuronx's process group)"
+
+
+def _env_without_our_core_limits() -> dict:
+    """os.environ minus what prepare_neuron_cores set (a core count must see every core)."""
+    return {k: v for k, v in os.environ.items() if _set_by_us.get(k) != v}
+
+
+# -- test hook: stop once start-up validation has passed --------------------------------------------
+# QWEN3_VALIDATE_ONLY=1 makes `python -m qwen3_research`, `verify_kernels` and the doctor's --run checks stop
+# right before the first thing that needs the device (a worker, a Device, a model on it), exit 0, and print
+# VALIDATE_ONLY_LINE. Used by tests/test_docs_commands.py to prove every documented Trainium command passes
+# the project's own start-up validation on a simulated trn2 host; not a user option.
+VALIDATE_ONLY_ENV = "QWEN3_VALIDATE_ONLY"
+VALIDATE_ONLY_LINE = f"{VALIDATE_ONLY_ENV}=1 (test hook): start-up validation passed; stopping before the device is used"
+
+
+def validate_only() -> bool:
+    return os.environ.get(VALIDATE_ONLY_ENV) == "1"
 
 
 def neuron_available() -> bool:

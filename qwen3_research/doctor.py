@@ -12,6 +12,14 @@ run per model backend (native, native_moe, hf on a small checkpoint written to a
 device and ``verify_kernels`` for every kernel option that can run here, each pass/fail with its
 time; any failure makes the exit status 1.
 
+On a Trainium run (``device=neuron``, or ``auto`` where TorchNeuron is installed) it also checks the host as
+the first hour on a trn2 needs it (``neuron_host.host_checks``): ``neuron-ls`` (devices, cores, processes already
+holding cores), the Neuron driver (``/sys/module/neuron/version``) and the aws-neuronx runtime/collectives/tools
+packages, ``NEURON_RT_*`` variables already set, the NEFF compile cache and its free disk, EFA (``fi_info -p
+efa``) when ``parallelism.nnodes > 1``, and that ``torchtitan.models.qwen3`` imports (it needs triton on
+torchtitan 0.2.x); ``--run`` there gives each check one NeuronCore. The host checks are ``neuron_host``'s;
+docs/TRAINIUM.md lists each row's failures.
+
 Nothing here starts a Neuron runtime in this process: the Neuron facts are asked in child processes.
 """
 
@@ -79,45 +87,33 @@ def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def kernel_options(device_type: str) -> dict[str, str]:
+def kernel_options(device_type: str, lnc: int | None = None) -> dict[str, str]:
     """Every conf/kernels option -> '' if it can run on this host's ``device_type``, else why not."""
-    return {o: why for o, (why, _) in _kernel_options(device_type).items()}
+    return {o: why for o, (why, _) in _kernel_options(device_type, lnc).items()}
 
 
-def verifiable(option: str, device_type: str) -> bool:
+def verifiable(option: str, device_type: str, lnc: int | None = None) -> bool:
     """Whether verify_kernels has something to check for the option (references have no verify)."""
-    return _kernel_options(device_type).get(option, ("", False))[1]
+    return _kernel_options(device_type, lnc).get(option, ("", False))[1]
 
 
-def _kernel_options(device_type: str) -> dict[str, tuple[str, bool]]:
+def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple[str, bool]]:
+    """Per option: the reasons it cannot run here from the support check a run and verify_kernels make
+    (``kernels.registry.kernel_support``: device, LNC, environment, packages; the model's shapes come at
+    start-up), and whether verify_kernels has a check for it."""
     from omegaconf import OmegaConf
 
     from qwen3_research.__main__ import CONF_DIR
     from qwen3_research.kernels import load
+    from qwen3_research.kernels.registry import kernel_support
 
     kernels = load()
     out = {}
     for path in sorted(Path(CONF_DIR, "kernels").glob("*.yaml")):
         entries = OmegaConf.load(path).get("entries") or []
-        why = []
-        checks = False
-        for e in entries:
-            spec = kernels.get(e.name)
-            if spec is None:
-                why.append(f"unknown kernel {e.name}")
-                continue
-            req = spec.requirements
-            checks = checks or spec.verify is not None
-            if device_type not in req.devices:
-                why.append(f"{e.name} needs device {'|'.join(req.devices)}")
-            var = req.env.get(device_type)
-            if var and os.environ.get(var) != "1":
-                why.append(f"{e.name} runs on {device_type} only under {var}=1")
-            if e.name.startswith("nki") and not (_has("nki") or _has("nkilib")):
-                why.append(f"{e.name} needs the nki / nkilib packages")
-            if e.name.startswith("triton") and device_type == "cuda" and not _has("triton"):
-                why.append(f"{e.name} needs triton")
-        out[path.stem] = ("; ".join(dict.fromkeys(why)), checks)
+        why = kernel_support(entries, device_type, lnc, option=path.stem)
+        checks = any(kernels[e.name].verify is not None for e in entries if e.name in kernels)
+        out[path.stem] = ("; ".join(why), checks)
     return out
 
 
@@ -177,6 +173,7 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
                  "cuda": f"cuda: {torch.cuda.get_device_name(0) if kind == 'cuda' else ''}"}[kind]
         rows.append(Row("device", f"device.type={requested} -> {found}"))
     ctx["device"] = kind if device_ok else None
+    ctx["lnc"] = None
     if kind == "neuron" and tt["installed"] and not tt["fork"]:
         rows.append(Row("torchtitan on neuron", "upstream build; AWS tests Trainium with its torchtitan-neuron fork "
                         "(0.2.2+neuron.1, release-2.33)", "info"))
@@ -185,7 +182,7 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     # LNC and logical cores.
     lnc = None
     try:
-        lnc = devices.resolve_lnc(rc.device.lnc, kind)
+        lnc = ctx["lnc"] = devices.resolve_lnc(rc.device.lnc, kind)
     except ConfigError as e:
         rows.append(Row("LNC", str(e).split(";")[0], "MISSING", str(e).split("; ", 1)[-1]))
         device_ok = False
@@ -217,6 +214,12 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
                             f"{d.describe()}"))
         except ConfigError as e:
             rows.append(Row("run config", str(e).splitlines()[0], "MISSING", "fix the override named above"))
+    if kind == "neuron":  # with or without TorchNeuron: the host facts say what else the first run needs
+        from qwen3_research.neuron_host import host_checks
+
+        nproc = rc.parallelism.nproc_per_node if rc.parallelism.nproc_per_node != -1 else None
+        rows += [Row(*c) for c in host_checks(nproc, rc.parallelism.nnodes, lnc)]
+        rows.append(_titan_models_row())
 
     # Memory per rank.
     if ctx["device"] == "cuda":
@@ -244,17 +247,26 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         rows.append(Row("compile backend", f"{cb} (compile.enable={str(rc.compile.enable).lower()})",
                         "ok" if rc.compile.enable else "info"))
 
-        options = kernel_options(ctx["device"])
+        options = kernel_options(ctx["device"], lnc)
         usable = [o for o, why in options.items() if not why and o != "none"]
-        ctx["kernels"] = [o for o in usable if verifiable(o, ctx["device"])]
+        ctx["kernels"] = [o for o in usable if verifiable(o, ctx["device"], lnc)]
         rows.append(Row("kernel options here", ", ".join(usable) or "none", "info"))
-        blocked = [f"{o} ({why})" for o, why in options.items() if why]
+        blocked = [f"{o} ({why.split('; ')[0]})" for o, why in options.items() if why]  # the first reason of each
         if blocked:
             rows.append(Row("kernel options not here", "; ".join(blocked), "info"))
         chosen = rc.kernels.option or "none"
         if options.get(chosen):
             rows.append(Row("kernels", f"kernels={chosen}: {options[chosen]}", "MISSING",
                             "choose one of the options that can run here (above)"))
+        elif rc.kernels.entries:  # the model's shapes too, as the run's workers check them (on a meta model here)
+            from qwen3_research.launch import check_kernels_without_device
+
+            try:
+                check_kernels_without_device(rc)
+                rows.append(Row("kernels", f"kernels={chosen}: the run's start-up checks pass for model.flavor="
+                                f"{rc.model.flavor}"))
+            except ConfigError as e:
+                rows.append(Row("kernels", str(e), "MISSING", "change the key the message names"))
 
     mode = os.environ.get("WANDB_MODE") or rc.logging.wandb.mode
     wb = _version("wandb")
@@ -263,6 +275,17 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     rows.append(Row("W&B", f"{mode} (from {source}); wandb {wb or 'not installed'}", "ok" if wb_ok else "MISSING",
                     "" if wb_ok else "pip install wandb==0.31.0 or logging.wandb.mode=disabled"))
     return rows, ctx
+
+
+def _titan_models_row() -> Row:
+    """torchtitan's Qwen3 package imports (in a child: it reads the device at import). On torchtitan 0.2.x it
+    imports triton (models/moe/kernels.py), which TorchNeuron does not bring."""
+    ok, msg = _child("import torchtitan.models.qwen3")
+    if ok:
+        return Row("torchtitan models", "import torchtitan.models.qwen3: ok")
+    fix = ("pip install triton (torchtitan's MoE kernels module imports it; AWS's Qwen3 guide installs it; "
+           "requirements-neuron.txt)" if "triton" in msg else "reinstall torchtitan as README 'Trainium hosts' says")
+    return Row("torchtitan models", f"import torchtitan.models.qwen3 failed: {msg}", "MISSING", fix)
 
 
 def _config_exit(message: str) -> int:
@@ -316,8 +339,33 @@ def _timed(cmd: list[str], timeout: float) -> tuple[bool, float, str]:
     return False, dt, f"exit {proc.returncode}: {err[-1][:200]}"
 
 
+def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
+    """verify_kernels overrides for one kernel option: shapes the option's kernels take. On neuron the NKI Library
+    kernels need seq_len % (128 x LNC) == 0 (rope_hf) and, for MoE, the kernel-sized flavor nki_debug (hidden 1024;
+    the tiny flavors are refused: docs/KERNELS.md); elsewhere the small CPU shapes."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.kernels import load
+
+    kernels = load()
+    names = [e.name for e in OmegaConf.load(Path(CONF_DIR, "kernels", f"{option}.yaml")).get("entries") or []]
+    moe = any("GroupedExperts" in kernels[n].module_types for n in names if n in kernels)  # an expert kernel
+    args = [f"model={'native_moe' if moe else 'native'}"]
+    if device == "neuron":
+        args += [f"data.seq_len={128 * (lnc or 2)}", "data.batch_size=1"]
+        if moe and any(n.startswith("nki") for n in names):
+            args.append("model.flavor=nki_debug")
+    else:
+        args += ["data.seq_len=32", "data.batch_size=2"]
+    return args
+
+
 def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
     run_overrides = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("model", "kernels"))]
+    if ctx["device"] == "neuron":  # one process, one NeuronCore per check (device.prepare_neuron_cores)
+        run_overrides = [o for o in run_overrides if not o.startswith("parallelism")] + ["parallelism=single",
+                                                                                          "parallelism.nproc_per_node=1"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen3_doctor_") as tmp:
         hf_dir = write_tiny_hf_checkpoint(Path(tmp) / "hf_tiny")
@@ -327,9 +375,8 @@ def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800)
             ok, dt, msg = _timed(cmd, timeout)
             rows.append(Row(f"run model={backend}", f"{dt:6.1f} s  {msg if not ok else '2 steps'}", "pass" if ok else "FAIL"))
         for option in ctx["kernels"]:
-            model = "native_moe" if "moe" in option or option in ("fast", "reference") else "native"
-            cmd = [sys.executable, "-m", "qwen3_research.verify_kernels", f"kernels={option}", f"model={model}",
-                   "data.seq_len=32", "data.batch_size=2", *run_overrides]
+            cmd = [sys.executable, "-m", "qwen3_research.verify_kernels", f"kernels={option}",
+                   *verify_args(option, ctx["device"], ctx.get("lnc")), *run_overrides]
             ok, dt, msg = _timed(cmd, timeout)
             rows.append(Row(f"verify_kernels kernels={option}", f"{dt:6.1f} s  {msg}", "pass" if ok else "FAIL"))
     return rows

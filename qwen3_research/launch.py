@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.trainer import RunInfo
@@ -252,6 +252,28 @@ def _is_rendezvous_failure(e: BaseException) -> bool:
 
 
 
+def check_kernels_without_device(rc: RunConfig) -> None:
+    """The kernel checks a worker makes after building its model (``kernels.resolve``: device type, LNC, packages
+    and the model's shapes, each failure a ConfigError), on the model built on the meta device: no tensor
+    memory and no device. For the QWEN3_VALIDATE_ONLY test hook (here and in verify_kernels)."""
+    if not rc.kernels.entries:
+        return
+    from types import SimpleNamespace
+
+    import torch
+
+    from qwen3_research import device as devices
+    from qwen3_research import models
+    from qwen3_research.kernels import resolve
+
+    kind = devices.requested_device_kind(rc.device.type)
+    devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
+    meta = torch.device("meta")
+    backend = models.build(rc.model, meta, seq_len=rc.data.seq_len, seed=rc.training.seed, load_init_from=False)
+    lnc = devices.resolve_lnc(rc.device.lnc, kind) or devices.LNC_DEFAULT_NEURON
+    resolve(backend.model, rc, SimpleNamespace(type=kind, lnc=lnc, torch_device=meta))
+
+
 def _resume_when_requeued(resolved: dict) -> dict:
     """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its
     run dir's latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
@@ -273,7 +295,8 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        resolved = _resume_when_requeued(OmegaConf.to_container(cfg, resolve=True))
+        # training.mixed_precision=auto resolved here, so the workers, summary.json and W&B get the value used
+        resolved = _resume_when_requeued(resolve_auto_settings(OmegaConf.to_container(cfg, resolve=True)))
         rc = validate(to_run_config(resolved))
         from qwen3_research.device import prepare_launch
 
@@ -296,6 +319,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             from qwen3_research.checkpoint import preflight
 
             preflight(rc, run_path)
+        from qwen3_research import device as devices
+
+        if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
+            check_kernels_without_device(rc)  # and the kernel checks a worker makes once its model is built
+            print(devices.VALIDATE_ONLY_LINE, flush=True)
+            return {"status": "validated"}
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})

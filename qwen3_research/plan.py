@@ -152,6 +152,15 @@ def peak_tracker():
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # A second forward of the root module in one tracked step (training.grad_accum > 1) is refused upstream
+            # ("multiple iterative calls"; fix: reset_mod_stats). Only per-module stats are reset, which nothing
+            # here reads; the whole-rank peak below spans every micro-batch.
+            if not self._mod_tracker.is_bw and module in self.memory_tracking and \
+                    set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, dev_snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
@@ -423,9 +432,10 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     """Validate like a run, then trace rank 0 and the largest rank (only rank 0 when every shard is even,
     unless ``trace_all``)."""
     from qwen3_research import models
-    from qwen3_research.config import resolve_batch_size, to_run_config, validate
+    from qwen3_research.config import resolve_auto_settings, resolve_batch_size, to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
+    resolved = resolve_auto_settings(resolved)  # on the run's device: the checks and trace below may run as cpu
     from qwen3_research import device as devices
     from qwen3_research.errors import ConfigError
     from qwen3_research.kernels.registry import planning_for

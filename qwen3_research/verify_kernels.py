@@ -35,8 +35,19 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_research import device as devices
 
         # The LNC goes into the environment before TorchNeuron is imported (its runtime reads it once).
-        devices.export_lnc(devices.resolve_lnc(rc.device.lnc, devices.requested_device_kind(rc.device.type)))
+        kind = devices.requested_device_kind(rc.device.type)
+        devices.export_lnc(devices.resolve_lnc(rc.device.lnc, kind))
+        if kind == "neuron":
+            devices.prepare_neuron_cores(1)  # one process: one NeuronCore, not every core of the host
         device_type = devices.resolve_device_type(rc.device.type)
+        if devices.validate_only():  # test hook (device.py): the checks below, on a meta-device model
+            from qwen3_research import titan
+            from qwen3_research.launch import check_kernels_without_device
+
+            titan.check_supported(rc)
+            check_kernels_without_device(rc)
+            print(devices.VALIDATE_ONLY_LINE, flush=True)
+            return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
         from qwen3_research import models, titan

@@ -188,3 +188,92 @@ def test_kernel_warning_is_one_console_line():
             "warnings.warn('x', KernelMatchWarning); warnings.warn('x', KernelMatchWarning)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stderr == "warning: x\n", out.stderr
+
+
+# -- experiment presets (conf/experiment/): AWS's Trainium recipes -------------------------------------------------
+# The one group whose options set keys of several sections (# @package _global_, the lightning-hydra-template
+# way); every other option writes only its own section (test_group_options_extend_their_schema).
+def test_only_experiment_options_are_global():
+    for group in GROUPS:
+        for path in (Path(CONF_DIR) / group).glob("*.yaml"):
+            assert "@package" not in path.read_text(), f"{path}: a group option writes only its own section"
+    experiments = options("experiment")
+    assert experiments == ["trn2_qwen3_8b", "trn2_smoke"]
+    for name in experiments:
+        assert (Path(CONF_DIR) / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_\n")
+
+
+# AWS's Qwen3-8B recipe, parmoham-aws/test-repo-parmoham docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml, and the
+# torchtitan 0.2.2 defaults it leaves implicit (AdamW betas/weight decay, linear decay to 0, bf16 params).
+AWS_QWEN3_8B = {
+    "model.flavor": "8B", "data.seq_len": 4096, "data.batch_size": 1, "parallelism.tp": 4,
+    "parallelism.dp_shard": -1, "parallelism.dp_replicate": 1, "parallelism.nproc_per_node": 64,
+    "parallelism.activation_checkpoint": "selective", "optimizer.lr": 3e-4, "optimizer.eps": 1e-8,
+    "optimizer.betas": [0.9, 0.95], "optimizer.weight_decay": 0.1, "optimizer.warmup_steps": 2,
+    "optimizer.decay": "linear", "optimizer.min_lr_ratio": 0.0, "optimizer.grad_clip": 1.0, "training.steps": 500,
+    "training.mixed_precision": "bf16", "training.grad_accum": 1, "training.eval_every": 0, "compile.enable": False,
+    "checkpoint.enable": False, "device.type": "neuron"}
+# Its single-core smoke test (TorchTitan_Neuron_Tutorial_Qwen3_on_AWS_Trainium.md): one core, debug model, TP 1,
+# global batch 2 over local batch 1.
+AWS_SMOKE = {**AWS_QWEN3_8B, "model.flavor": "debug", "parallelism.tp": 1, "parallelism.nproc_per_node": 1,
+             "training.grad_accum": 2, "training.steps": 10}
+
+
+def _simulate_torchneuron(monkeypatch):
+    """validate() asks importlib whether torch_neuronx is installed: here it is (a Trainium host)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch_neuronx" else real(name, *a))
+
+
+@pytest.mark.parametrize("name,expected", [("trn2_qwen3_8b", AWS_QWEN3_8B), ("trn2_smoke", AWS_SMOKE)])
+def test_trn2_presets_equal_aws_recipe_and_validate(name, expected, monkeypatch):
+    from qwen3_research import models
+    from qwen3_research.config import to_run_config
+    from qwen3_research.parallel import validate_degrees
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"])
+    rc = to_run_config(cfg)
+    got = {k: getattr(getattr(rc, k.split(".")[0]), k.split(".")[1]) for k in expected}
+    assert got == expected
+    _simulate_torchneuron(monkeypatch)
+    validate(rc)
+    d = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+    print(f"experiment={name}: {d.describe()}")
+    assert (d.world_size, d.dp_shard, d.tp) == ((64, 16, 4) if name == "trn2_qwen3_8b" else (1, 1, 1))
+    # a command-line key still wins over the preset
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        assert compose(config_name="config", overrides=[f"experiment={name}", "data.seq_len=256"]).data.seq_len == 256
+
+
+def test_mixed_precision_auto_is_bf16_on_neuron_only(monkeypatch):
+    """training.mixed_precision defaults to auto: bf16 on neuron (AWS's recipes), none on cpu/cuda (unchanged);
+    an explicit value is kept; device=auto follows TorchNeuron's presence, as the device itself does."""
+    from qwen3_research.config import resolve_auto_settings, to_run_config
+
+    def resolved(device, mp="auto"):
+        return resolve_auto_settings({"device": {"type": device}, "training": {"mixed_precision": mp}})["training"]
+
+    assert [resolved(d)["mixed_precision"] for d in ("cpu", "cuda", "neuron", "auto")] == ["none", "none", "bf16", "none"]
+    assert resolved("neuron", "none")["mixed_precision"] == "none" and resolved("cpu", "bf16")["mixed_precision"] == "bf16"
+    assert RunConfig().training.mixed_precision == "auto"
+    assert to_run_config({"device": {"type": "neuron"}}).training.mixed_precision == "bf16"
+    assert validate(RunConfig()).training.mixed_precision == "none"  # a RunConfig built in code, on cpu
+    _simulate_torchneuron(monkeypatch)
+    assert resolved("auto")["mixed_precision"] == "bf16"
+
+
+def test_a_misspelled_key_in_an_experiment_preset_fails_at_compose_time(tmp_path):
+    """A global preset is typed by the run schema like any option: one line naming the key."""
+    import shutil
+
+    from qwen3_research.__main__ import format_compose_error
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "experiment" / "typo.yaml").write_text("# @package _global_\ntraining:\n  stepz: 3\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception) as e:
+            compose(config_name="config", overrides=["experiment=typo"])
+    assert format_compose_error(e.value) == ("config error: training.stepz: unknown key (Key 'stepz' not in "
+                                             "'TrainingConfig'); check the spelling, or print valid keys with --cfg job")

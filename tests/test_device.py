@@ -240,3 +240,59 @@ def test_single_process_sweep_reports_each_points_own_peak(tmp_path):
     print(f"peaks (GiB): first {peaks[0]:.3f}, second {peaks[1]:.3f}; resets {resets}")
     assert resets == ["VmHWM", "VmHWM"]
     assert peaks[1] < peaks[0] - 0.25, peaks
+
+
+# -- NeuronCores a process reserves (device.prepare_neuron_cores) ---------------------------------------------
+@pytest.fixture
+def no_core_pins(monkeypatch):
+    for var in (devices.VISIBLE_CORES_ENV, devices.NUM_CORES_ENV):
+        monkeypatch.setenv(var, "")  # recorded, so whatever a test puts there is undone
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(devices, "_set_by_us", {})
+
+
+def test_single_process_neuron_run_takes_one_core_and_a_worker_group_none(no_core_pins):
+    """One process: NEURON_RT_NUM_CORES=1 (the runtime otherwise reserves every core of the host for it). A later
+    64-rank run from the same process (a sweep) does not inherit it; a user's choice of cores is kept."""
+    assert devices.prepare_neuron_cores(1) == "NEURON_RT_NUM_CORES=1 (set for this single-process run)"
+    assert os.environ["NEURON_RT_NUM_CORES"] == "1"
+    assert devices.prepare_neuron_cores(64).startswith("NEURON_RT_VISIBLE_CORES=<local rank> per rank")
+    assert "NEURON_RT_NUM_CORES" not in os.environ  # ours removed: each rank gets its own core from torch_neuronx
+    env = {}  # a copy (the doctor asks this way): changed, but nothing recorded as ours
+    devices.prepare_neuron_cores(1, env=env)
+    assert env == {"NEURON_RT_NUM_CORES": "1"} and devices._set_by_us == {}
+    env = {"NEURON_RT_VISIBLE_CORES": "5"}
+    assert devices.prepare_neuron_cores(1, env=env) == "NEURON_RT_VISIBLE_CORES=5 (from the environment)"
+    assert env == {"NEURON_RT_VISIBLE_CORES": "5"}
+    env = {"NEURON_RT_NUM_CORES": "64"}  # AWS's recipe exports NEURON_RT_NUM_CORES=64 for its 64 ranks
+    devices.prepare_neuron_cores(64, env=env)
+    assert env == {"NEURON_RT_NUM_CORES": "64"}
+
+
+def test_user_visible_cores_with_a_worker_group_is_a_config_error(no_core_pins):
+    with pytest.raises(ConfigError) as e:
+        devices.prepare_neuron_cores(4, env={"NEURON_RT_VISIBLE_CORES": "0-3"})
+    assert str(e.value) == (
+        "NEURON_RT_VISIBLE_CORES=0-3 in the environment would give each of the 4 ranks the same NeuronCores "
+        "(torch_neuronx sets it to the local rank only when it is unset); unset NEURON_RT_VISIBLE_CORES, or set "
+        "parallelism.nproc_per_node=1 for a single-process run on those cores")
+
+
+def test_prepare_launch_pins_one_core_for_a_single_process_neuron_run(no_core_pins, monkeypatch, tmp_path):
+    """The launcher's start-up (prepare_launch) on a simulated neuron host: nproc_per_node=1 -> NEURON_RT_NUM_CORES=1
+    in the environment the run inherits; the core count asked afterwards still sees every core (64)."""
+    from qwen3_research.config import RunConfig
+    from tests.neuron_host_double import trn2_host
+
+    monkeypatch.setenv("PYTHONPATH", trn2_host(tmp_path)["PYTHONPATH"])  # the torch_neuronx test double, for children
+    monkeypatch.setattr(devices, "requested_device_kind", lambda requested: "neuron")
+    monkeypatch.setenv(devices.LNC_ENV, "2")  # (prepare_launch exports it: restored after the test)
+    rc = RunConfig()
+    rc.device.type, rc.parallelism.nproc_per_node = "neuron", 1
+    devices.neuron_logical_core_count.cache_clear()
+    try:
+        assert devices.prepare_launch(rc) == 2
+        assert os.environ[devices.NUM_CORES_ENV] == "1"
+        assert devices.neuron_logical_core_count(2) == 64  # the double counts visible cores: ours is not passed on
+    finally:
+        devices.neuron_logical_core_count.cache_clear()

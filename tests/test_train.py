@@ -69,7 +69,11 @@ def test_run_dir_layout_and_wandb_history_match_metrics(default_run):
     records = wandb_records(run_dir)
     run = next(r for r in records if r["type"] == "run")["run"]
     config = run["config"]["update"]
-    # The resolved config, as W&B stores it: every group and the values the run used.
+    # The resolved config, as W&B stores it: every group and the values the run used. training.mixed_precision is
+    # configured "auto" (.hydra) and recorded as what it resolved to on this device: none on cpu (bf16 on neuron).
+    assert saved["training"]["mixed_precision"] == "auto"
+    saved["training"]["mixed_precision"] = "none"
+    assert json.loads((run_dir / "summary.json").read_text())["mixed_precision"] == "none"
     for section in ("model", "parallelism", "optimizer", "data", "training", "kernels", "device"):
         assert config[section] == saved[section], section
     assert config["training"]["steps"] == 60 and config["model"]["flavor"] == "tiny"
