@@ -75,8 +75,10 @@ def _limit_threads(local_world_size: int) -> None:
 
 def worker(resolved: dict, info: dict) -> dict:
     """One rank's whole life: build the Trainer, train, tear down. Importable for spawn."""
+    from qwen3_research.startup import quiet_libraries
     from qwen3_research.trainer import Trainer
 
+    quiet_libraries()  # a spawned rank starts with Python's defaults
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     trainer = Trainer(to_run_config(resolved), RunInfo(**info), resolved)
     try:
