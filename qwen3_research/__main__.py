@@ -85,7 +85,8 @@ def _quoted(key: str, value: str) -> str:
     import shlex
 
     inner = value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
-    word = f'{key}="{inner.replace(chr(34), chr(92) + chr(34))}"'
+    escaped = inner.replace('"', '\\"')
+    word = f'{key}="{escaped}"'
     if "'" not in word:
         return shlex.quote(word)
     return '"' + "".join("\\" + c if c in '\\"$`' else c for c in word) + '"'  # the shell's double quotes
@@ -245,7 +246,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
-    from qwen3_research.errors import TrainingError, WorkerGroupError
+    from qwen3_research.errors import ExportError, TrainingError, WorkerGroupError
     from qwen3_research.launch import run
     from qwen3_research.signals import Interrupted
     from qwen3_research.startup import quiet_libraries
@@ -285,7 +286,7 @@ def _task(cfg: DictConfig):
         if isinstance(e, Interrupted):
             print(str(e), file=sys.stderr, flush=True)
             sys.exit(e.exit_status)
-        if isinstance(e, (WorkerGroupError, TrainingError)):
+        if isinstance(e, (WorkerGroupError, TrainingError, ExportError)):  # checkpoint.export_hf=true at the end
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
         raise

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qwen3_research.config import ConfigError, DataConfig
+from qwen3_research.config import ConfigError, DataConfig, data_files
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 EOS_TOKEN = "<|endoftext|>"
@@ -116,8 +116,6 @@ def _text(value, key: str, where: str) -> str:
 
 
 def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
-    from qwen3_research.config import data_files
-
     files = data_files(pattern)  # regular files only: a FIFO would block this read forever
     docs = []
     for f in files:

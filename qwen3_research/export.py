@@ -28,7 +28,7 @@ if __name__ == "__main__":  # Ctrl-C while torch imports: 130, one line
 
 import torch  # noqa: E402
 
-from qwen3_research.errors import ConfigError, ExportError, check_writable  # noqa: E402
+from qwen3_research.errors import ConfigError, ExportError, check_writable, root_cause  # noqa: E402
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -49,7 +49,11 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"out_dir {out} exists and is not empty; choose a new directory or pass --force")
     check_writable(f"out_dir {out}", out)
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+    except ConfigError:
+        _still_there(path)
+        raise
     step = meta.get("step")
     rc = to_run_config(meta["config"])
     _use_init_from(rc, path, init_from)
@@ -70,8 +74,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
         try:
             dcp.load({"model": tensors}, checkpoint_id=str(path))  # in place, from any saved layout
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a rank's error, Ctrl-C too
-            from qwen3_research.errors import root_cause
-
             if isinstance(root_cause(e), KeyboardInterrupt):
                 raise KeyboardInterrupt from None
             raise ConfigError(f"checkpoint {path}: cannot read the model weights ({_first_line(e)})") from None

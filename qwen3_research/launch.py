@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import ConfigError, TrainingError, WorkerGroupError
+from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted
 from qwen3_research.trainer import RunInfo
 
@@ -309,7 +309,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             _write_summary(run_path, summary)
         return summary
     except BaseException as e:
-        clean = (ConfigError, WorkerGroupError, TrainingError, Interrupted)
+        clean = (ConfigError, WorkerGroupError, TrainingError, ExportError, Interrupted)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
         if isinstance(e, KeyboardInterrupt):
             reason = "interrupted by SIGINT outside the training loop (start-up or the final save)"

@@ -295,6 +295,19 @@ def _export_pruned_meanwhile(run: Path, base: Path, tmp: Path) -> tuple:
                                          f"export again: the newest is now {ckpts}/step-00000001")
 
 
+def _export_at_run_end_fails(tmp: Path) -> tuple:
+    """checkpoint.export_hf=true whose verification fails (two tensors swapped by the test hook): one error line
+    (was: a traceback), exit 1, no temporary export left in the run dir."""
+    run = tmp / "r"
+    swap = "model.layers.0.self_attn.o_proj.weight,model.layers.1.self_attn.o_proj.weight"
+    proc = run_cli(QUICK + ["training.steps=1", "checkpoint.enable=true", "checkpoint.export_hf=true"], run_dir=run,
+                   env=cli_env(QWEN3_RESEARCH_TEST_SWAP_EXPORT=swap))
+    assert not (run / "hf").exists() and not list(run.glob(".hf.tmp-export*"))
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    got = [ln for ln in lines(proc.stderr) if not ln.startswith("Loading weights")]  # transformers' reload progress bar
+    return proc, 1, got, f"error: HF export {run}/hf: written tensors differ from the trained ones; worst model.layers.0"
+
+
 def _ctrl_c_during_export(run: Path, tmp: Path) -> tuple:
     out = tmp / "hf"
     partial = tmp / ".hf.tmp-export"
@@ -376,7 +389,10 @@ WEAK = {
                                               "'/data/my docs (old)/*.txt' (mismatched input ' (' expecting <EOF>); "
                                               "quote it: 'data.files=\"/data/my docs (old)/*.txt\"'"),
     "path-split-by-the-shell": lambda t, r, b: (*_config(t, "data=files", "data.files=/data/my", "docs/*.txt"),
-                                                "config error: 'docs/*.txt' is not an override"),
+                                                "config error: 'docs/*.txt' is not an override; write key=value (e.g. "
+                                                "training.steps=10) or group=option (e.g. model=native_moe); list them "
+                                                "with --help; if it is the rest of data.files's value (the shell splits "
+                                                "at spaces), quote the whole override: 'data.files=\"/data/my docs/*.txt\"'"),
     "compare-invalid-bytes": lambda t, r, b: _compare_with(r, t, lambda d: d + b'\xff\xfe{"step": 3}\n'),
     "compare-non-object-line": lambda t, r, b: _compare_with(r, t, lambda d: d + b"[1, 2, 3]\n"),
     "compare-truncated": lambda t, r, b: _compare_with(r, t, lambda d: d.splitlines(keepends=True)[0]),
@@ -386,6 +402,7 @@ WEAK = {
                                                          "'lots' is not a size"))(
         run_cli([str(r / "checkpoints"), str(t / "hf"), "--max-shard-size", "lots"], module=EXPORT)),
     "export-ctrl-c": lambda t, r, b: _ctrl_c_during_export(r, t),
+    "export-at-run-end-fails": lambda t, r, b: _export_at_run_end_fails(t),
     "export-moved-init-from": lambda t, r, b: _export_moved_base(r, b, t),
     "save-file-size-limit": lambda t, r, b: _file_size_limit_during_save(t),
     "read-only-run-dir": lambda t, r, b: _read_only_run_dir(t),
