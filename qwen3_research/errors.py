@@ -76,7 +76,10 @@ def write_failure(e: BaseException, where, what: str) -> tuple[str, str]:
         return f"permission denied ({getattr(cause, 'filename', None) or os.fspath(where)})", \
             f"make it writable or point {what} elsewhere"
     lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"[:300], f"check {os.fspath(where)} or point {what} elsewhere"
+    why = f"{type(cause).__name__}: {lines[0] if lines else ''}"[:300]
+    if isinstance(cause, OSError):
+        return why, f"check {os.fspath(where)} or point {what} elsewhere"
+    return why, "this is not a storage problem (a bug: please report it with this line)"
 
 
 def check_writable(what: str, path) -> None:
