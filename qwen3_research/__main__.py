@@ -8,13 +8,14 @@ to Hydra; each point validates itself and a bad point fails alone.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C before main() runs: 130, one line, no traceback
+if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
     from qwen3_research import startup
 
-    startup.exit_on_ctrl_c_while_importing("interrupted by SIGINT before training started; nothing was written")
+    startup.exit_at_once_while_importing("before training started; nothing was written")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
@@ -248,7 +249,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 def _task(cfg: DictConfig):
     from qwen3_research.errors import ExportError, TrainingError, WorkerGroupError
     from qwen3_research.launch import run
-    from qwen3_research.signals import Interrupted
+    from qwen3_research.signals import Interrupted, Terminated, signal_number
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # after Hydra configured this job's logging
@@ -269,12 +270,22 @@ def _task(cfg: DictConfig):
             # Optuna minimises what the task returns: the held-out loss when there is one.
             return summary.get("final_eval_loss") or summary["final_loss"]
         return summary
-    except Exception as e:  # noqa: BLE001
-        if multirun and isinstance(e, Interrupted) and os.environ.get("SLURM_JOB_ID"):
+    except (Interrupted, KeyboardInterrupt, Terminated) as e:
+        if multirun and os.environ.get("SLURM_JOB_ID"):
             # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
             # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
+            if isinstance(e, Interrupted):
+                print(str(e), file=sys.stderr, flush=True)
+            sys.exit(128 + signal_number(e))
+        if multirun:  # a signal stops the whole sweep, not only this point (the point saved as a run does)
+            from qwen3_research.sweep import stop_sweep
+
+            sys.exit(stop_sweep(Path(hc.sweep.dir), hc.runtime.output_dir, e))
+        if isinstance(e, Interrupted):
             print(str(e), file=sys.stderr, flush=True)
             sys.exit(e.exit_status)
+        raise
+    except Exception as e:  # noqa: BLE001
         if multirun:
             # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
             # launch.run already wrote its summary.json (status failed + reason) for the report.
@@ -283,29 +294,31 @@ def _task(cfg: DictConfig):
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")
-        if isinstance(e, Interrupted):
-            print(str(e), file=sys.stderr, flush=True)
-            sys.exit(e.exit_status)
-        if isinstance(e, (WorkerGroupError, TrainingError, ExportError)):  # checkpoint.export_hf=true at the end
+        if isinstance(e, (WorkerGroupError, TrainingError, ExportError)):  # ExportError: checkpoint.export_hf=true
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
         raise
 
 
-def _interrupted() -> None:
-    print("interrupted by SIGINT before training started (or after it ended); no checkpoint saved by this signal",
-          file=sys.stderr, flush=True)
-    sys.exit(130)
+def _interrupted(signum: int) -> None:
+    print(f"interrupted by {signal.Signals(signum).name} before training started (or after it ended); no checkpoint "
+          "saved by this signal", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
 
 
 def main() -> None:
-    from qwen3_research import startup
+    from qwen3_research.signals import Terminated, raise_terminated
 
-    startup.ctrl_c_raises()  # from here Ctrl-C raises KeyboardInterrupt
+    # From here Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated; inside the training loop both
+    # only ask the loop to stop after the step (qwen3_research.signals.StopOnSignal).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         _main()
     except KeyboardInterrupt:  # Ctrl-C at any moment: 130 and one line, never a traceback
-        _interrupted()
+        _interrupted(signal.SIGINT)
+    except Terminated:  # SIGTERM outside the loop: 143 and one line
+        _interrupted(signal.SIGTERM)
 
 
 def _main() -> None:

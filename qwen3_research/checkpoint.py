@@ -115,6 +115,56 @@ def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpo
     )
 
 
+# -- who owns a checkpoint directory ----------------------------------------------------------
+# A checkpoint directory inside its run directory belongs to that run by where it is. One elsewhere
+# (checkpoint.dir=/fsx/ckpts/...) records its run in OWNER when the run first saves into it, so that a
+# second run pointed at it is refused by name, and checkpoint.overwrite=true never deletes another run's
+# checkpoints.
+OWNER = "owner.json"
+
+
+def checkpoint_owner(root: Path) -> str | None:
+    """The run directory recorded as the owner of the checkpoint directory ``root`` (None: no record)."""
+    try:
+        return json.loads((Path(root) / OWNER).read_text()).get("run_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def owner_conflict(root: Path, run_dir: Path, *, resuming: bool) -> str | None:
+    """Why the run in ``run_dir`` must not write into the checkpoint directory ``root`` (None: it may)."""
+    root, run_dir = Path(root).resolve(), Path(run_dir).resolve()
+    if root.is_relative_to(run_dir):
+        return None
+    owner = checkpoint_owner(root)
+    if owner is not None:
+        if Path(owner).resolve() == run_dir:
+            return None
+        return (f"checkpoint.dir={root} belongs to the run in {owner} ({root / OWNER}); a run never writes into, "
+                f"resumes from or overwrites another run's checkpoint directory: choose another checkpoint.dir, or "
+                f"continue that run with hydra.run.dir={owner} checkpoint.resume=auto")
+    kept = list_checkpoints(root)
+    if kept and not resuming:
+        return (f"checkpoint.dir={root} already holds checkpoints ({kept[-1].name}) of a run with no owner record; "
+                "choose another checkpoint.dir (or continue the run that wrote them with checkpoint.resume=auto)")
+    return None
+
+
+def claim_checkpoint_dir(root: Path, run_dir: Path) -> None:
+    """Record ``run_dir`` as the owner of ``root`` (outside the run directory only); refuse another run's."""
+    root, run_dir = Path(root).resolve(), Path(run_dir).resolve()
+    if root.is_relative_to(run_dir):
+        return
+    why = owner_conflict(root, run_dir, resuming=True)
+    if why is not None:
+        raise TrainingError(f"checkpoint: {why}")
+    if checkpoint_owner(root) is None:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{OWNER}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"run_dir": str(run_dir), "since": time.time()}) + "\n")
+        os.replace(tmp, root / OWNER)
+
+
 def read_meta(path: Path) -> dict:
     try:
         return json.loads((path / META).read_text())
@@ -360,6 +410,7 @@ class Checkpointer:
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".tmp-step-{step:08d}"
         if t.is_main:
+            claim_checkpoint_dir(self.root, t.run_dir)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()

@@ -36,8 +36,23 @@ class RunRecord:
         return [r for r in self.rows if r.get("loss") is not None]
 
     def final_loss(self) -> float | None:
+        """The last training loss of a finished run; None for a point that did not finish (interrupted,
+        failed, skipped): its last loss is not a final one and must not be compared as if it were."""
         rows = self.train_rows
-        return rows[-1]["loss"] if rows else None
+        return rows[-1]["loss"] if rows and self.status == "ok" else None
+
+    def steps_reached(self) -> str | None:
+        """'reached/planned' steps, e.g. '4/8' for a point interrupted after step 4."""
+        done = self.summary.get("steps") or self.summary.get("step") or max((r.get("step", 0) for r in self.rows), default=0)
+        planned = self.planned_steps()
+        return f"{done}/{planned}" if planned else (str(done) if done else None)
+
+    def planned_steps(self) -> int | None:
+        path = self.run_dir / ".hydra" / "config.yaml"
+        try:
+            return int((yaml.safe_load(path.read_text()) or {}).get("training", {}).get("steps"))
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return None
 
     def best_eval_loss(self) -> float | None:
         evals = [r["eval_loss"] for r in self.rows if r.get("eval_loss") is not None]
@@ -141,18 +156,18 @@ def swept_keys(runs: list[RunRecord]) -> list[str]:
 
 def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
     keys = swept_keys(runs)
-    header = ["run", *keys, "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank",
+    header = ["run", *keys, "steps", "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank",
               "predicted_peak_gib", "measured_live_peak_gib", "status"]
     body = []
     for r in runs:
         peaks = r.peak_mem_per_rank()
         body.append([
             r.name, *[r.overrides.get(k, "") for k in keys],
-            r.final_loss(), r.best_eval_loss(), r.tokens_per_s(), r.mfu(),
+            r.steps_reached(), r.final_loss(), r.best_eval_loss(), r.tokens_per_s(), r.mfu(),
             " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) if peaks else None,
             (r.summary.get("prediction") or {}).get("predicted_peak_gib"),
             max(r.summary["peak_live_bytes_per_rank"]) / 1024**3 if r.summary.get("peak_live_bytes_per_rank") else None,
-            r.status if r.status == "ok" else f"{r.status}: {r.reason}".rstrip(": "),
+            r.status if r.status in ("ok", "interrupted") else f"{r.status}: {r.reason}".rstrip(": "),
         ])
     return header, body
 
@@ -238,8 +253,11 @@ def report(paths: list[Path], out_dir: Path, *, echo=print) -> list[RunRecord]:
     (out_dir / "comparison.md").write_text(render_markdown(header, body))
     pngs = plot(runs, out_dir)
     echo(render_text(header, body))
-    failed = [r for r in runs if r.status != "ok"]
-    echo(f"{len(runs) - len(failed)} ok, {len(failed)} failed; report: {out_dir / 'comparison.md'}, "
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: kv[0] != "ok"))
+    echo(f"{tally}; report: {out_dir / 'comparison.md'}, "
          f"{out_dir / 'comparison.csv'}, " + ", ".join(str(p) for p in pngs))
     return runs
 

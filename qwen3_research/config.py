@@ -153,7 +153,7 @@ class TrainingConfig:
     grad_accum: int = 1
     mixed_precision: str = "none"  # none | bf16: autocast, float32 parameters and optimizer state, in every layout
     nan_policy: str = "stop"  # stop | skip
-    fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2"
+    fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
     loss: str = "full"  # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss)
     loss_chunk_tokens: int = 1024  # training.loss=chunked: tokens per chunk (logits alive: this × vocab floats)
     track_memory: bool = False  # record the peak live tensor bytes per rank (torch's MemTracker) in summary.json

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C while torch imports: 130, one line
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while torch imports: 128+signal, one line
     from qwen3_research import startup
 
-    startup.exit_on_ctrl_c_while_importing("interrupted by SIGINT before the export started; nothing was written")
+    startup.exit_at_once_while_importing("before the export started; nothing was written")
 
 import torch  # noqa: E402
 
@@ -74,8 +75,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
         try:
             dcp.load({"model": tensors}, checkpoint_id=str(path))  # in place, from any saved layout
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a rank's error, Ctrl-C too
-            if isinstance(root_cause(e), KeyboardInterrupt):
-                raise KeyboardInterrupt from None
+            cause = root_cause(e)
+            if not isinstance(cause, Exception):  # Ctrl-C or SIGTERM inside DCP's read: unwind as that signal
+                raise cause from None
             raise ConfigError(f"checkpoint {path}: cannot read the model weights ({_first_line(e)})") from None
     except ConfigError:
         _still_there(path)  # the weights are read once: from here on the directory may go
@@ -141,7 +143,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="the base model directory (model.init_from) when it moved since training")
     args = ap.parse_args(argv)
     startup.quiet_libraries()
-    startup.ctrl_c_raises()
+    from qwen3_research.signals import Terminated, raise_terminated
+
+    # From here Ctrl-C and SIGTERM unwind the export (its temporary directory is removed on the way out).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         try:
             parse_size(args.max_shard_size)  # before any work (it failed after 11 s of loading)
@@ -155,10 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"interrupted by SIGINT; nothing was exported (no partial files are left; {args.out_dir} is as it was)",
+    except (KeyboardInterrupt, Terminated) as e:
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"interrupted by {name}; nothing was exported (no partial files are left; {args.out_dir} is as it was)",
               file=sys.stderr, flush=True)
-        sys.exit(130)
+        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
     print(json.dumps({k: report[k] for k in ("step", "checkpoint", "missing_keys", "unexpected_keys",
                                              "max_abs_logit_diff", "files")}))
 

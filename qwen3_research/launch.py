@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
-from qwen3_research.signals import Interrupted
+from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.trainer import RunInfo
 
 
@@ -95,10 +95,11 @@ def _recorded_worker(resolved: dict, info: dict) -> dict:
         # imported torch is delivered here, where it raises KeyboardInterrupt instead of a traceback.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return record(worker)(resolved, info)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop: exit quietly, 128 + SIGINT
-        # The agent passes the launcher's SIGINT on as well: a second one must not interrupt the exit.
+    except (KeyboardInterrupt, Terminated) as e:  # a signal before the training loop: exit quietly, 128 + signal
+        # The agent passes the launcher's signal on as well: a second one must not interrupt the exit.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.exit(128 + signal.SIGINT)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signal_number(e))
 
 
 @contextmanager
@@ -310,18 +311,21 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         return summary
     except BaseException as e:
         clean = (ConfigError, WorkerGroupError, TrainingError, ExportError, Interrupted)
+        signum = signal_number(e)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
-        if isinstance(e, KeyboardInterrupt):
-            reason = "interrupted by SIGINT outside the training loop (start-up or the final save)"
+        if signum and not isinstance(e, Interrupted):
+            reason = (f"interrupted by {signal.Signals(signum).name} outside the training loop (start-up or the "
+                      "final save)")
         # A config error on a resume, or in a run dir this process does not own, keeps the earlier summary.
         # A single run's config error writes no summary (README: exit 2 writes nothing); a sweep point records
         # it for the sweep report.
         keep_existing = isinstance(e, ConfigError) and ((run_path / "summary.json").exists() or refused or not _multirun())
         if _writes_run_files() and not keep_existing:
-            _write_summary(run_path, {"status": "interrupted" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "failed",
+            _write_summary(run_path, {"status": "interrupted" if signum else "failed",
                                       "reason": reason.splitlines()[0] if reason else type(e).__name__,
+                                      **({"step": e.step} if isinstance(e, Interrupted) else {}),
                                       "wall_s": time.perf_counter() - t0, **({"prediction": prediction} if prediction else {})})
-        if not isinstance(e, (*clean, KeyboardInterrupt)):
+        if not isinstance(e, clean) and not signum:
             traceback.print_exc(file=sys.stderr)
         raise
     finally:

@@ -22,6 +22,13 @@ its input on its worker thread, which the run's tracker sees (one FSDP unit's un
 MoE fsdp2 benchmark config measures 12 % above the plan); the fake group, like NCCL or Neuron
 collectives, does not.
 
+A run planned for Trainium (``device=neuron``) plans on a host without it too: the configuration is
+checked as for a run, ``device.memory_gib`` gives the capacity (there is nothing to detect), the kernel
+overrides are checked against the planned device and LNC (``kernels.registry.planning_for``), and the
+NKI kernels are traced by their documented output shapes (``kernels.nki.shape_backend``): what they
+keep for backward is in the traced peak, and each kernel's own terms (padding, saved activations) are
+printed under the table. Nothing runs on, or claims to have run on, a Neuron device.
+
 ``--json`` adds one JSON line after the table. Exit status: 0 fits (with headroom, or tight: peak above
 85 % of the capacity), 4 does not fit (then the largest terms, largest first), 2 configuration error
 (the same one line as a run), 1 the trace itself failed.
@@ -36,6 +43,7 @@ the first (``_optimizer_state_as_after_one_step``). The same tracker measures a 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -58,6 +66,8 @@ class RankPlan:
     peak: int  # traced peak live tensor bytes
     estimate: dict = field(default_factory=dict)  # closed form: category -> bytes, and "peak"
     even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
+    kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines of this rank
+    kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
 
 
 @dataclass
@@ -71,6 +81,8 @@ class Plan:
     flops_per_step: float
     trace_s: float
     mirrored: list[int] = field(default_factory=list)  # ranks not traced: same shapes as rank 0 (see make_plan)
+    planned_for: str | None = None  # the device a plan made on another host is for (device=neuron here)
+    kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
 
     @property
     def peak(self) -> int:
@@ -286,7 +298,11 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
             _optimizer_state_as_after_one_step(trainer)
             _, cats, peak = _tracked(trainer, lambda: _fake_step(trainer))
             even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
-        return RankPlan(rank, cats, peak, even_shards=even)
+            kp = trainer.kernel_plan
+            lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
+                     if ln.startswith("    ") and not ln.strip().startswith("layers.")]
+            kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
+        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved))
     finally:
         if trainer is not None:
             trainer.close()
@@ -410,7 +426,19 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     from qwen3_research.config import resolve_batch_size, to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
-    rc = validate(to_run_config(resolved))
+    from qwen3_research import device as devices
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.kernels.registry import planning_for
+
+    # A Trainium run planned here: checked as a run would be, except that TorchNeuron is not required.
+    planned = resolved["device"]["type"]
+    elsewhere = planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None
+    checked = {**resolved, "device": {**resolved["device"], "type": "cpu"}} if elsewhere else resolved
+    rc = validate(to_run_config(checked))
+    if elsewhere and rc.device.memory_gib is None:
+        raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
+                          "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
+    lnc = devices.resolve_lnc(rc.device.lnc, "neuron") if planned == "neuron" else None
     facts = models.describe(rc.model)
     degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **facts)
     rc.data.batch_size = resolve_batch_size(rc, degrees.dp)
@@ -432,12 +460,19 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
         if rank and ranks[0].even_shards and not trace_all:
             mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
             continue
-        rp = trace_rank(traced, rank, world)
+        if planned == "neuron":  # kernels checked for, and NKI ones traced by shape as, the planned device
+            with planning_for("neuron", lnc):
+                rp = trace_rank(traced, rank, world)
+        else:
+            rp = trace_rank(traced, rank, world)
+        if rp.kernel_saved:
+            est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
         rp.estimate = est
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
     flops = _flops_per_token(rc) * tokens
-    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored)
+    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
+                planned_for="neuron" if elsewhere else None, kernel_lines=ranks[0].kernel_lines)
 
 
 def _flops_per_token(rc) -> float:
@@ -473,11 +508,17 @@ def render(plan: Plan) -> str:
     for label, key in rows:
         lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
                      + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
-    for key in ("logits and loss", "fsdp gathered"):
+    for key in ("logits and loss", "fsdp gathered", "kernel saved"):
         if key in est:
             lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
     lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for _, r in cols)
                  + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
+    if plan.kernel_lines:
+        lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
+        lines += [f"  {ln}" for ln in plan.kernel_lines]
+    if plan.planned_for:
+        lines.append(f"planned for device={plan.planned_for}, which this host does not have: traced on fake CPU tensors, "
+                     "NKI kernels by their documented output shapes; nothing ran on a Neuron device")
     lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
                  f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
                  f"{100 * plan.peak_gib / plan.capacity_gib:.0f} % of capacity)")

@@ -119,6 +119,11 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
         )
     ck = rc.checkpoint
     root = checkpoint_root(rc, run_dir)
+    from qwen3_research.checkpoint import owner_conflict
+
+    why = owner_conflict(root, run_dir, resuming=bool(ck.resume))
+    if why is not None:
+        raise ConfigError(why)
     if not ck.resume:
         existing = run_files(run_dir)
         if not root.is_relative_to(run_dir):
@@ -168,11 +173,16 @@ def discard_earlier_run(rc, run_dir: Path) -> None:
     """checkpoint.overwrite=true on a directory that holds a run: remove that run's files (under the lock)."""
     from qwen3_research.checkpoint import list_checkpoints
 
+    from qwen3_research.checkpoint import owner_conflict
+
+    root = checkpoint_root(rc, run_dir)
+    why = owner_conflict(root, run_dir, resuming=False)  # checked before; again here, where files are deleted
+    if why is not None:
+        raise ConfigError(why)
     gone = run_files(run_dir)
     for name in gone:
         p = run_dir / name
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    root = checkpoint_root(rc, run_dir)
     for p in list_checkpoints(root):
         shutil.rmtree(p)
         gone.append(str(p))

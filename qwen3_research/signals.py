@@ -27,6 +27,28 @@ class Interrupted(Exception):
         return 128 + self.signum
 
 
+class Terminated(BaseException):
+    """SIGTERM outside the training loop (start-up, between sweep points, the final save): like Ctrl-C's
+    ``KeyboardInterrupt``, it unwinds the process, which exits 143 with one line (``__main__``)."""
+
+    signum = signal.SIGTERM
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def signal_number(e: BaseException) -> int | None:
+    """The signal behind a stop: ``Interrupted`` (the loop saved), ``KeyboardInterrupt``/``Terminated`` (outside it)."""
+    if isinstance(e, Interrupted):
+        return e.signum
+    if isinstance(e, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(e, Terminated):
+        return signal.SIGTERM
+    return None
+
+
 class StopOnSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -20,8 +20,9 @@ NOISE = (
 )
 
 
-def exit_on_ctrl_c_while_importing(message: str) -> None:
-    """Until ``ctrl_c_raises()``, a Ctrl-C ends the process at once: exit 130 and ``message``, one line.
+def exit_at_once_while_importing(after: str) -> None:
+    """Until the command installs its own handlers, Ctrl-C or SIGTERM ends the process at once: exit 128+signal
+    and one line, ``interrupted by SIGINT <after>``.
 
     Nothing has been written yet at this point, so there is nothing to clean up; a KeyboardInterrupt
     instead could land inside a library's import and be swallowed there. numpy is imported here, under
@@ -33,16 +34,12 @@ def exit_on_ctrl_c_while_importing(message: str) -> None:
     """
 
     def _exit(signum, frame):
-        print(message, file=sys.stderr, flush=True)
-        os._exit(128 + signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name} {after}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
-    signal.signal(signal.SIGINT, _exit)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _exit)
     import numpy  # noqa: F401  (see above)
-
-
-def ctrl_c_raises() -> None:
-    """From here a Ctrl-C raises KeyboardInterrupt, which the command turns into its own one line."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -100,6 +100,27 @@ class SweepReport(Callback):
             sys.exit(EXIT_SOME_SKIPPED)
 
 
+def stop_sweep(sweep_dir: Path, point_dir: str, e: BaseException) -> int:
+    """A signal stopped a point (it saved as a run does): start no further point, write the report of what
+    ran (the stopped point marked ``interrupted`` at its step), say how to resume; return 128 + signal."""
+    import signal as signals
+
+    from qwen3_research.compare import report
+    from qwen3_research.signals import Interrupted, signal_number
+
+    signum = signal_number(e)
+    saved = (f"after step {e.step}, " + (f"checkpoint saved to {e.checkpoint}" if e.checkpoint else "no checkpoint saved")
+             if isinstance(e, Interrupted) else "before its training loop, no checkpoint saved")
+    try:
+        report([sweep_dir], sweep_dir)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the report must not hide the stop
+        print(f"warning: no sweep report ({err})", file=sys.stderr, flush=True)
+    print(f"sweep interrupted by {signals.Signals(signum).name} in point {Path(point_dir).name} ({saved}); no further "
+          f"point started; run the same command with hydra.sweep.dir={sweep_dir} to resume it (finished points are "
+          "skipped, the interrupted one continues from its checkpoint)", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
 # -- plan first, resume (issue 15) ---------------------------------------------------------------
 # Exit status of a sweep whose points all ran ok or were skipped as predicted not to fit (some were).
 EXIT_SOME_SKIPPED = 5
@@ -186,6 +207,20 @@ def _move_previous_attempt(run_dir: Path) -> Path | None:
     return dest
 
 
+def _interrupted_checkpoint(cfg: DictConfig, run_path: Path, summary: dict) -> Path | None:
+    """The checkpoint an interrupted point continues from (None: it was not interrupted, or saved nothing)."""
+    if summary.get("status") != "interrupted" or cfg.checkpoint.resume:
+        return None
+    from qwen3_research.checkpoint import find_checkpoint
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.rundir import checkpoint_root
+
+    try:
+        return find_checkpoint("auto", checkpoint_root(cfg, run_path))
+    except ConfigError:
+        return None
+
+
 def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str) -> tuple[dict | None, dict]:
     """Before a sweep point starts: (its summary when it must not run, its prediction).
 
@@ -202,6 +237,14 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str)
         if old.get("status") == "ok":
             print(f"sweep point {run_path.name}: already ok (summary.json), not run again", flush=True)
             return old, old.get("prediction") or {}
+        resume_from = _interrupted_checkpoint(cfg, run_path, old)
+        if resume_from is not None:  # stopped by a signal after saving: continue it, as a run resumes
+            from omegaconf import open_dict
+
+            with open_dict(cfg):
+                cfg.checkpoint.resume = "auto"
+            print(f"sweep point {run_path.name}: resuming the interrupted attempt from {resume_from}", flush=True)
+            return None, old.get("prediction") or {}
     entry = {}
     plan_path = Path(sweep_dir) / PLAN_FILE
     if plan_path.is_file():

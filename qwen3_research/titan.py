@@ -72,8 +72,9 @@ def check_supported(rc) -> None:
     Measured with upstream 0.2.2 (torch 2.14.0, CPU/gloo): MoE stops in the router's
     ``torch.histc`` (no CPU kernel for integer counts); TP stops in DTensor, which has no sharding
     rule for ``aten._scaled_dot_product_flash_attention_for_cpu``. Other limits of the 0.2.x API:
-    TP always shards the sequence (no TP without SP); no FlexAttention through ``model(tokens)``;
-    our kernel overrides replace 0.3.x modules (``CosSinRoPE``, ``GroupedExperts.w1_EFD``).
+    TP always shards the sequence (no TP without SP); no FlexAttention through ``model(tokens)``.
+    Kernel overrides run on both APIs (``prepare_kernel_targets``, ``expert_weights``); what a
+    kernel needs of the device and packages is ``kernels.registry.kernel_support``.
     """
     if rc.model.backend not in ("native", "native_moe") or not legacy():
         return
@@ -98,11 +99,173 @@ def check_supported(rc) -> None:
         )
     if rc.model.attention == "flex" and device_type == "cuda":
         raise ConfigError(f"model.attention=flex {_needs()}: 0.2.x takes a BlockMask we do not pass; use model.attention=sdpa")
-    if rc.kernels.entries:
-        raise ConfigError(
-            f"kernels on model={rc.model.backend} {_needs()}: they replace 0.3.x modules "
-            "(CosSinRoPE, GroupedExperts); use kernels=none"
-        )
+
+
+# -- what the kernel overrides replace, on both APIs -------------------------------------------
+# The overrides (qwen3_research/kernels) replace torchtitan's expert module and RoPE module. 0.3.x has
+# both (``GroupedExperts`` with w1_EFD/w2_EDF/w3_EFD at layers.N.moe.routed_experts.inner_experts;
+# ``CosSinRoPE`` at layers.N.attention.rope). 0.2.x (upstream v0.2.2, AWS's torchtitan-neuron
+# 0.2.2+neuron.1) has the same ``GroupedExperts`` math with weights named w1/w2/w3 at
+# layers.N.moe.experts (torchtitan/models/moe/moe.py), but no RoPE module: Attention.forward calls
+# the module-level ``apply_rotary_emb(xq, xk, rope_cache, positions)`` (torchtitan/models/qwen3/model/
+# model.py) on the model's ``rope_cache`` buffer [max_seq_len, 2 × head_dim] (cos | sin, the layout of
+# 0.3.x's CosSinRoPE cache). ``prepare_kernel_targets`` gives 0.2.x that module.
+def expert_weights(module):
+    """(w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]) of torchtitan's GroupedExperts on either API."""
+    if hasattr(module, "w1_EFD"):
+        return module.w1_EFD, module.w2_EDF, module.w3_EFD
+    return module.w1, module.w2, module.w3
+
+
+def prepare_kernel_targets(model, rope: bool) -> None:
+    """On 0.2.x with ``rope``: give every attention a ``rope`` child module that RoPE kernels replace.
+
+    The child (``CosSinRoPE`` below, the 0.3.x module's interface: ``cache``, ``config.dim``,
+    ``_reshape_cache``, ``forward(query, key, positions)``) computes 0.2.x's own ``apply_rotary_emb``
+    on the model's ``rope_cache``; the attention's class becomes a subclass whose forward calls it
+    (``_attention_forward_02``). No parameter or buffer is added: state dicts, FSDP and TP plans are
+    unchanged. A no-op on 0.3.x, without ``rope``, and when already done.
+    """
+    if not rope or not legacy():
+        return
+    from torchtitan.models.qwen3.model.model import Attention
+
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and not hasattr(module, "rope"):
+            module.__class__ = _seam_attention_class(type(module))
+            module.rope = _rope_seam_class()(module.head_dim, model)
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_seam_class():
+    import weakref
+
+    import torch.nn as nn
+    from torchtitan.models.qwen3.model.model import apply_rotary_emb, reshape_for_broadcast
+
+    class CosSinRoPE(nn.Module):
+        """0.2.x's RoPE as a module with 0.3.x's CosSinRoPE interface (the kernels' target type)."""
+
+        def __init__(self, head_dim: int, model):
+            super().__init__()
+            self.config = SimpleNamespace(dim=head_dim)
+            # The model's rope_cache buffer, read at each call (it is replaced when the weights are
+            # materialized); a weak reference, so the model is not registered as a child of its own module.
+            object.__setattr__(self, "_model", weakref.ref(model))
+
+        @property
+        def cache(self):
+            return self._model().rope_cache
+
+        def _reshape_cache(self, query, positions=None):
+            return reshape_for_broadcast(self.cache, query, positions)  # [1|B, L, 1, 2 × head_dim]
+
+        def forward(self, query, key, positions=None):
+            return apply_rotary_emb(query, key, self.cache, positions)
+
+    return CosSinRoPE
+
+
+@functools.lru_cache(maxsize=None)
+def _seam_attention_class(base):
+    return type(base.__name__, (base,), {"forward": _attention_forward_02, "__module__": __name__})
+
+
+def _attention_forward_02(self, x, rope_cache, attention_masks, positions=None):
+    """0.2.2's ``Attention.forward`` (torchtitan/models/qwen3/model/model.py at v0.2.2) for the SDPA path
+    this adapter always configures (``_qwen3_model_args``: attn_type="sdpa"), with RoPE through
+    ``self.rope`` instead of the module-level function; every other line is torchtitan's. AWS's Qwen3
+    changes for Trainium leave this file alone (docs/torchtitan/qwen3/TorchTitan.diff in
+    parmoham-aws/test-repo-parmoham touches only the SAC save list and the peak-FLOPs table)."""
+    bs, seqlen, _ = x.shape
+    xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+    # -1: TP may have sharded the heads
+    xq = xq.view(bs, seqlen, -1, self.head_dim)
+    xk = xk.view(bs, seqlen, -1, self.head_dim)
+    xv = xv.view(bs, seqlen, -1, self.head_dim)
+    if self.q_norm:
+        xq = self.q_norm(xq)
+    if self.k_norm:
+        xk = self.k_norm(xk)
+    xq, xk = self.rope(xq, xk, positions)  # the model's rope_cache, as torchtitan passes it
+    xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+    if self.attn_type != "sdpa" or attention_masks is not None:
+        raise RuntimeError(f"RoPE kernels on torchtitan 0.2.x support attn_type='sdpa' only (got {self.attn_type})")
+    output = self.inner_attention(xq, xk, xv, scale=self.scaling, enable_gqa=self.enable_gqa)
+    output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+    return self.wo(output)
+
+
+# -- MoE token groups aligned for TorchNeuron's grouped matmul --------------------------------------
+# TorchNeuron's aten::_grouped_mm (2D x 3D, the expert forward) requires every group offset and the row
+# count to be multiples of TORCH_NEURONX_ATEN_GMM_ALIGN (default 128): torch_neuronx/python_ops/grouped_mm.py
+# (``validate_offs``) and torch_neuronx/utils.py (``get_gmm_align``) in parmoham-aws/test-repo-parmoham.
+# Neither torchtitan pads to it on Neuron: 0.2.2 pads groups to TOKEN_GROUP_ALIGN_SIZE_M = 8
+# (torchtitan/models/moe/utils.py, settable by set_token_group_alignment_size_m) with a Triton index
+# kernel that cannot run on a Neuron device (AWS's GPT-OSS diff, docs/torchtitan/gpt-oss/TorchTitan.diff,
+# patches that file to 128 with the CPU fallback and copies back); 0.3.0 pads only through
+# TorchAOTokenDispatcher(pad_multiple=...), which calls torchao's permute_and_pad (torchao is not part
+# of the Neuron stack). So the adapter pads, the same way on both, with static shapes (no host read).
+NEURON_GROUP_ALIGN = 128
+
+
+def align_token_groups(model, device_type: str, align: int | None = None) -> int:
+    """On neuron: every GroupedExperts pads each expert's rows to a multiple of ``align`` (default
+    TORCH_NEURONX_ATEN_GMM_ALIGN or 128) before torchtitan's grouped matmuls and drops the padding after.
+    Returns the number of modules changed (0 off neuron). Kernel overrides replace the forward later."""
+    import os
+
+    if device_type != "neuron":
+        return 0
+    align = int(align or os.environ.get("TORCH_NEURONX_ATEN_GMM_ALIGN") or NEURON_GROUP_ALIGN)
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ == "GroupedExperts" and not hasattr(module, "group_align"):
+            module.__class__ = _aligned_experts_class(type(module))
+            module.group_align = align
+            n += 1
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _aligned_experts_class(base):
+    if legacy():
+        # 0.2.x's forward would pad again with its Triton index kernel: its grouped-mm path, called directly.
+        from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+        def experts(self, x, counts):
+            w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in expert_weights(self))
+            return _run_experts_grouped_mm(w1, w2, w3, x, counts)
+    else:
+        experts = base.forward
+
+    def forward(self, x, num_tokens_per_expert):
+        slot, padded_counts, M = padded_groups(num_tokens_per_expert, x.shape[0], self.group_align)
+        x_pad = x.new_zeros(M, x.shape[1]).index_copy(0, slot, x)
+        return experts(self, x_pad, padded_counts).index_select(0, slot)
+
+    return type(base.__name__, (base,), {"forward": forward, "__module__": __name__})
+
+
+def padded_groups(counts, rows: int, align: int):
+    """(slot of each expert-sorted row in the padded layout [R], padded counts [E], padded rows M).
+
+    Each expert's c_e rows start at a multiple of ``align``; M = the worst case over all routings,
+    ceil((R + E·(align-1)) / align)·align, so the shape is static (one compiled graph) and every offset
+    cumsum(padded counts) <= M is a multiple of ``align``. Device-side ops only."""
+    import torch
+
+    E = counts.shape[0]
+    M = -(-(rows + E * (align - 1)) // align) * align
+    cnt = counts.to(torch.int64)
+    padded = (cnt + (align - 1)) // align * align
+    start = torch.cumsum(cnt, 0) - cnt
+    pstart = torch.cumsum(padded, 0) - padded
+    r = torch.arange(rows, device=counts.device)
+    e_of_row = torch.searchsorted(torch.cumsum(cnt, 0), r, right=True).clamp_(max=E - 1)
+    slot = pstart[e_of_row] + (r - start[e_of_row])
+    return slot, padded.to(counts.dtype), M
+
 
 
 # -- model ------------------------------------------------------------------------------------

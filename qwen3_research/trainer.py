@@ -358,6 +358,7 @@ class Trainer:
                     if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
                     if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
+                        _signal_launcher_at_eval(t.fault, self.step, self.rank, self.world_size)
                         self.last_eval_loss = self.evaluate()
                         record = record or {"step": self.step}
                         record["eval_loss"] = self.last_eval_loss
@@ -423,13 +424,31 @@ class Trainer:
             torch.distributed.destroy_process_group()
 
 
-def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
-    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N', optionally ':rankR'."""
+def _fault_now(spec: str | None, kinds: tuple[str, ...], step: int, rank: int) -> str | None:
+    """Test hook (training.fault = 'WHAT@N' or 'WHAT@N:rankR'): WHAT when it is due at this step on this rank."""
     if not spec:
-        return loss
+        return None
     what, _, rest = spec.partition("@")
     at, _, who = rest.partition(":")
-    if int(at) != step or (who and who != f"rank{rank}"):
+    if what not in kinds or int(at) != step or (who and who != f"rank{rank}"):
+        return None
+    return what
+
+
+def _signal_launcher_at_eval(spec: str | None, step: int, rank: int, world_size: int) -> None:
+    """Test hook 'term@N': as step N's evaluation starts, SIGTERM the launcher (Slurm preemption, scancel):
+    the parent process in a worker group (the elastic agent, which passes it on to every rank), this process
+    in a one-process run."""
+    if _fault_now(spec, ("term",), step, rank):
+        import signal
+
+        os.kill(os.getppid() if world_size > 1 else os.getpid(), signal.SIGTERM)
+
+
+def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N' in step N's forward; 'term@N' at its evaluation."""
+    what = _fault_now(spec, ("raise", "nan", "kill"), step, rank)
+    if what is None:
         return loss
     if what == "raise":
         raise RuntimeError(f"injected failure at step {step} on rank {rank} (training.fault={spec})")

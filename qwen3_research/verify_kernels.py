@@ -4,7 +4,11 @@ Builds the run's model (same config as ``python -m qwen3_research``), resolves a
 kernel overrides exactly as a run would, then checks every active kernel against its float32
 reference on random inputs of the run's shapes (batch × seq_len tokens, heads, experts, top-k),
 forward and backward. Prints max abs and rel error per kernel with PASS/FAIL against the stated
-tolerance. Exit status: 0 all pass, 1 a kernel fails, 2 a configuration error.
+tolerance. Exit status: 0 all pass, 1 a kernel fails or nothing was verified (an entry that matches
+no module of the model, or no kernel to check), 2 a configuration error -- among them a kernel that
+cannot run here, found by the same checks a run makes (``titan.check_supported``, then
+``kernels.resolve``: the device, LNC and package checks of ``kernels.registry.kernel_support`` and the
+model's shapes).
 """
 
 from __future__ import annotations
@@ -37,10 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         device_type = devices.resolve_device_type(rc.device.type)
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
-        from qwen3_research import models
+        from qwen3_research import models, titan
         from qwen3_research.kernels import apply_overrides
+        from qwen3_research.kernels.registry import KERNELS, entry_labels
         from qwen3_research.kernels.verify import verify_plan
 
+        # The checks a run makes: the torchtitan check before any worker starts (launch.run), then in
+        # the worker the overrides' own (resolve: kernel_support's device/LNC/package checks and the
+        # model's shapes), so a kernel that cannot run here is the same one-line config error as in a run.
+        titan.check_supported(rc)
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
         rc.kernels.verify = False  # verify once, below
         plan = apply_overrides(backend.model, rc, device)
@@ -48,8 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    unverified = [f"entry '{label}' (target '{e.target}') matches no module of model={rc.model.backend}"
+                  for label, e in entry_labels(rc.kernels.entries)
+                  if KERNELS[e.name].verify is not None and not plan.get(label)]
     failed = [c for c in checks if not c.ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} kernel(s) pass")
+    if unverified or not checks:
+        what = "; ".join(unverified) or "no active kernel has a check"
+        print(f"error: kernels={rc.kernels.option or 'custom'}: nothing verified for {what}", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

@@ -5,17 +5,26 @@ Each double is a PyTorch implementation of the kernel's documented contract, wri
 * ``rope_hf`` -- aws-neuron/nki-library src/nkilib_src/nkilib/core/embeddings/rope_hf.py (docstring,
   ``_validate_apply_rope_inputs``, ``_apply_rope_single``: forward y = x·cos + rotate_half(x)·sin,
   backward [g1·c1 + g2·s2, g2·c2 - g1·s1]); its torch reference rope_hf_torch.py.
-* ``moe_cte`` (shard_on_i) -- nkilib/core/moe/moe_cte/moe_cte.py and bwmm_shard_on_I.py
-  (``blockwise_mm_baseline_shard_intermediate`` docstring and pseudocode,
-  ``check_blockwise_mm_shard_I_kernel_compatibility``); API page nki/library/api/moe-cte.rst in
-  aws-neuron/aws-neuron-sdk; semantics as AWS's golden moe_cte_torch.py.
+* ``blockwise_mm_baseline_shard_intermediate`` (the shard-on-I forward the wrapper calls) and ``moe_cte``
+  (its dispatcher, kept for the hashing contract) -- nkilib/core/moe/moe_cte/bwmm_shard_on_I.py (docstring,
+  pseudocode, signature and defaults: PRE_SCALE, ``skip_dma=SkipMode()``;
+  ``check_blockwise_mm_shard_I_kernel_compatibility``) and moe_cte.py (``MoECTESpec``/``ShardOnIConfig``:
+  plain ``@dataclass``es, so unhashable); API page nki/library/api/moe-cte.rst in aws-neuron/aws-neuron-sdk;
+  semantics as AWS's golden moe_cte_torch.py.
 * ``blockwise_mm_bwd`` -- nkilib/experimental/moe/bwd/blockwise_mm_backward.py, moe_bwd_parameters.py
   (``validate``, ``validate_sharding``), bwmm_bwd_dropless.py (gradients zero-initialised, experts'
   gradient init split E // num_shards); API page nki/library/api/blockwise-mm-backward.rst; semantics as
   the golden ``_generate_bwd_golden`` in test/integration/nkilib/experimental/moe/test_bwmm_bwd_common.py.
-* ``nki_op`` / ``wrap_nki`` -- torch_neuronx/nki_hop.py (parmoham-aws/test-repo-parmoham): ``nki_op``
-  wraps ``torch.library.custom_op`` and registers the op's own body as its fake kernel;
-  ``wrap_nki(kernel)[grid](...)`` binds arguments by the kernel's parameter names, ``grid`` a tuple.
+* ``nki_op`` / ``wrap_nki`` -- torch_neuronx/nki_hop.py and nki_kernel.py (parmoham-aws/test-repo-parmoham):
+  ``nki_op`` wraps ``torch.library.custom_op`` and registers the op's own body as its fake kernel;
+  ``wrap_nki(kernel)[grid](...)`` (``NKIHOPCaller``) binds arguments by the kernel's parameter names and
+  fills the kernel's defaults, ``grid`` becomes ``tuple(map(int, grid))``; every non-tensor argument is a
+  constant that is hashed (``get_dconfig_and_tensor_args`` -> ``_generate_hash_key``, each value through
+  ``TorchNeuronNKIKernelV2._return_shape_dtype_or_hashable``: tensors -> (shape, dtype), str as is,
+  sequences and dicts element-wise, anything else must be ``Hashable`` or ``RuntimeError(
+  "sema.err_nki_param_not_hashable(...)")``); on fake tensors the output shapes come from
+  ``kernel[grid].dump_config`` on meta tensors (``get_dumped_config``: "NKI V2 doesn't support
+  FakeTensors yet"), returned as empty tensors of those shapes.
 
 Same argument names, layouts, dtypes, block sizes and block-to-expert semantics as the originals;
 each ``kernel_assert`` of the contract is a ``ContractError`` here. Value checks (index ranges) are
@@ -27,6 +36,7 @@ can be checked against the float32 references at 1e-5; production passes bfloat1
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,6 +45,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 LAUNCHES: list[tuple[str, tuple]] = []  # (kernel name, grid) of every launch, for tests
+CONSTANTS: dict[str, dict] = {}  # kernel name -> the constant (non-tensor) arguments of its last launch
+CONSTANT_KEYS: dict[str, set] = {}  # kernel name -> hash keys of its constant arguments (one per compile)
 _STATE = {"num_programs": 1, "widen_float32": False}
 
 
@@ -48,11 +60,11 @@ def kernel_assert(ok, msg: str) -> None:
 
 
 def _fake(*ts) -> bool:
-    """Fake tensors, or a make_fx trace in progress: values are not there to check (as on the device,
-    where the kernel reads them but the host never does)."""
+    """Fake or meta tensors, or a make_fx trace in progress: values are not there to check (as on the
+    device, where the kernel reads them but the host never does)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None or any(isinstance(t, FakeTensor) for t in ts)
+    return get_proxy_mode() is not None or any(isinstance(t, FakeTensor) or t.is_meta for t in ts)
 
 
 # ------------------------------------------------------------------ torch_neuronx glue (nki_hop.py)
@@ -67,25 +79,81 @@ def nki_op(name, fn=None, mutates_args=()):
     return dec if fn is None else dec(fn)
 
 
+def return_shape_dtype_or_hashable(t, name):
+    """torch_neuronx/nki_kernel.py ``TorchNeuronNKIKernelV2._return_shape_dtype_or_hashable``, line for line."""
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.dtype)
+    if isinstance(t, str):
+        return t
+    if isinstance(t, Sequence):
+        return tuple(return_shape_dtype_or_hashable(e, name=f"{name}[{i}]") for i, e in enumerate(t))
+    elif isinstance(t, dict):
+        return tuple((k, return_shape_dtype_or_hashable(v, name=f"{name}[{k}]")) for k, v in sorted(t.items()))
+    if not isinstance(t, Hashable):
+        raise RuntimeError("sema.err_nki_param_not_hashable(name=name, ty=type(t))")
+    return t
+
+
+def constant_key(constants: dict) -> int:
+    """The hash key torch_neuronx registers a launch's constant arguments under (``_generate_hash_key``,
+    the UnifiedKernel method nki_hop.py calls; its body is not in the public copy: here, the hash of every
+    value mapped as above, which raises where the real one does)."""
+    return hash(tuple((k, return_shape_dtype_or_hashable(v, k)) for k, v in constants.items()))
+
+
 class _Caller:
     def __init__(self, kernel, grid=()):
         self.kernel, self.grid = kernel, grid
-        self.arg_names = list(inspect.signature(kernel).parameters)
+        sig = inspect.signature(kernel)
+        self.arg_names = list(sig.parameters)
+        self.defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
 
     def __getitem__(self, grid):
         return _Caller(self.kernel, tuple(map(int, grid)))  # nki_hop.NKIHOPCaller.__getitem__: grid iterable
 
     def __call__(self, *args, **kwargs):
         bound = {**dict(zip(self.arg_names, args)), **kwargs}
+        # Stricter than NKIHOPCaller, which drops unknown names silently (the kernel then takes its default):
+        # a misspelt argument is a wrapper bug we want to see.
         unknown = set(bound) - set(self.arg_names)
         kernel_assert(not unknown, f"{self.kernel.__name__}: no parameters {sorted(unknown)}")
-        LAUNCHES.append((self.kernel.__name__, self.grid))
+        missing = [n for n in self.arg_names if n not in bound and n not in self.defaults]
+        if missing:  # NKIHOPCaller: self.kernel_default_args[arg_name] -> KeyError
+            raise KeyError(missing[0])
+        full = {n: bound[n] if n in bound else self.defaults[n] for n in self.arg_names}
+        constants = {n: v for n, v in full.items() if not isinstance(v, torch.Tensor)}
+        key = constant_key(constants)  # raises for an unhashable constant, before anything runs
+        name = self.kernel.__name__
+        CONSTANTS[name] = constants
+        CONSTANT_KEYS.setdefault(name, set()).add(key)
+        LAUNCHES.append((name, self.grid))
+        tensors = [v for v in full.values() if isinstance(v, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return self._fake_outputs(full)
+        return self._run(full)
+
+    def _run(self, full):
         prev = _STATE["num_programs"]
         _STATE["num_programs"] = self.grid[0] if self.grid else 1  # nl.num_programs(axes=0)
         try:
-            return self.kernel(**bound)
+            return self.kernel(**full)
         finally:
             _STATE["num_programs"] = prev
+
+    def _fake_outputs(self, full):
+        """nki_hop.py ``nki_kernel_wrapper_fake_tensor_mode``: output shapes from the kernel traced on meta
+        tensors (``get_dumped_config``), then empty tensors of those shapes in the fake mode."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        mode = next(t.fake_mode for t in full.values() if isinstance(t, FakeTensor))
+        with unset_fake_temporarily():
+            meta = {n: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+                    for n, v in full.items()}
+            outs = self._run(meta)
+        single = isinstance(outs, torch.Tensor)
+        with mode:
+            made = [torch.empty(o.shape, dtype=o.dtype) for o in ((outs,) if single else outs)]
+        return made[0] if single else tuple(made)
 
 
 def wrap_nki(kernel):
@@ -130,9 +198,15 @@ class MoECTESpec:  # moe_cte.py
 
 
 @dataclass(frozen=True)
-class SkipMode:  # moe_cte_utils.py / moe_bwd_parameters.py
+class SkipMode:  # moe_bwd_parameters.py (frozen: hashable by value)
     skip_token: bool = False
     skip_weight: bool = False
+
+
+class CteSkipMode:  # moe_cte_utils.py: a plain NKIObject class (hashable by identity)
+    def __init__(self, skip_token: bool = False, skip_weight: bool = False):
+        self.skip_token = skip_token
+        self.skip_weight = skip_weight
 
 
 class ShardOption(Enum):  # moe_bwd_parameters.py
@@ -230,14 +304,46 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
             is_tensor_update_accumulating=True, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
             gate_clamp_upper_limit=None, gate_clamp_lower_limit=None, up_clamp_upper_limit=None,
             up_clamp_lower_limit=None):
-    """Double of nkilib.core.moe.moe_cte.moe_cte for spec.implementation == shard_on_i (no bias, no
-    quantization, no clamping: what the wrapper uses)."""
+    """Double of nkilib.core.moe.moe_cte.moe_cte for spec.implementation == shard_on_i: what moe_cte.py
+    passes to blockwise_mm_baseline_shard_intermediate (no bias, quantization or clamping)."""
     kernel_assert(spec.implementation == MoECTEImplementation.shard_on_i, "double implements shard_on_i only")
+    kernel_assert(quantization_config is None, "double: no quantization")
     cfg = spec.shard_on_I or ShardOnIConfig()
+    return blockwise_mm_baseline_shard_intermediate(
+        hidden_states=hidden_states, expert_affinities_masked=expert_affinities_masked,
+        gate_up_proj_weight=gate_up_proj_weight, down_proj_weight=down_proj_weight, block_size=block_size,
+        token_position_to_id=token_position_to_id, block_to_expert=block_to_expert,
+        gate_and_up_proj_bias=gate_and_up_proj_bias, down_proj_bias=down_proj_bias,
+        activation_function=activation_function, skip_dma=CteSkipMode(), compute_dtype=compute_dtype,
+        is_tensor_update_accumulating=is_tensor_update_accumulating,
+        expert_affinities_scaling_mode=expert_affinities_scaling_mode, gate_clamp_upper_limit=gate_clamp_upper_limit,
+        gate_clamp_lower_limit=gate_clamp_lower_limit, up_clamp_lower_limit=up_clamp_lower_limit,
+        up_clamp_upper_limit=up_clamp_upper_limit, checkpoint_activation=cfg.checkpoint_activation,
+        expert_affinity_multiply_on_I=cfg.expert_affinity_multiply_on_I)
+
+
+_CTE_SKIP = CteSkipMode()  # the signature default: one instance, so its identity hash is the same every launch
+
+
+def blockwise_mm_baseline_shard_intermediate(
+        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight, block_size,
+        token_position_to_id, block_to_expert, gate_and_up_proj_bias=None, down_proj_bias=None,
+        gate_up_proj_scale=None, down_proj_scale=None, activation_function=ActFnType.SiLU, skip_dma=_CTE_SKIP,
+        compute_dtype=torch.bfloat16, is_tensor_update_accumulating=True,
+        expert_affinities_scaling_mode=ExpertAffinityScaleMode.PRE_SCALE, gate_clamp_upper_limit=None,
+        gate_clamp_lower_limit=None, up_clamp_lower_limit=None, up_clamp_upper_limit=None,
+        checkpoint_activation=False, expert_affinity_multiply_on_I=False):
+    """Double of nkilib.core.moe.moe_cte.bwmm_shard_on_I.blockwise_mm_baseline_shard_intermediate (same
+    signature and defaults; no bias, fp8 scales or clamping: what the wrapper uses)."""
     kernel_assert(_STATE["num_programs"] in (1, 2), "unsupported NUM_SHARDS")
-    kernel_assert(gate_and_up_proj_bias is None and down_proj_bias is None and quantization_config is None,
-                  "double: no bias / quantization")
+    kernel_assert(gate_and_up_proj_bias is None and down_proj_bias is None and gate_up_proj_scale is None
+                  and down_proj_scale is None, "double: no bias / quantization scales")
     kernel_assert(activation_function == ActFnType.SiLU, "double: SiLU only")
+    kernel_assert(None in (gate_clamp_upper_limit, gate_clamp_lower_limit, up_clamp_lower_limit, up_clamp_upper_limit)
+                  and {gate_clamp_upper_limit, gate_clamp_lower_limit, up_clamp_lower_limit, up_clamp_upper_limit} == {None},
+                  "double: no clamping")
+    if expert_affinities_scaling_mode == ExpertAffinityScaleMode.PRE_SCALE_DELAYED:
+        expert_affinities_scaling_mode = ExpertAffinityScaleMode.PRE_SCALE
     T1, H = hidden_states.shape
     T = T1 - 1  # hidden_states is [T+1, H]: the last row is the padding token T
     E, H2, two, I = gate_up_proj_weight.shape
@@ -259,23 +365,26 @@ def moe_cte(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_p
     idx, xb = _gather_blocks(hidden_states, token_position_to_id, N, B)
     e = block_to_expert.long().view(N)
     gu = torch.bmm(xb, gate_up_proj_weight.float()[e].reshape(N, H, 2 * I)).view(N, B, 2, I)
+    aff = expert_affinities_masked.float().view(T1, E)[idx, e[:, None]]  # [N, B]
+    if expert_affinities_scaling_mode == ExpertAffinityScaleMode.PRE_SCALE:  # pseudocode step 4
+        gu = gu * aff[..., None, None]
     gate, up = gu[:, :, 0], gu[:, :, 1]
     down = torch.bmm(F.silu(gate) * up, down_proj_weight.float()[e])  # [N, B, H], before affinity scaling
-    aff = expert_affinities_masked.float().view(T1, E)[idx, e[:, None]]  # [N, B]
-    if expert_affinities_scaling_mode == ExpertAffinityScaleMode.POST_SCALE:
+    if expert_affinities_scaling_mode == ExpertAffinityScaleMode.POST_SCALE:  # step 8
         scaled = down * aff[..., None]
     else:
-        kernel_assert(expert_affinities_scaling_mode == ExpertAffinityScaleMode.NO_SCALE, "double: POST/NO_SCALE only")
+        kernel_assert(expert_affinities_scaling_mode in (ExpertAffinityScaleMode.NO_SCALE,
+                                                         ExpertAffinityScaleMode.PRE_SCALE), "double: no such mode")
         scaled = down
     flat_idx, flat = idx.reshape(-1), scaled.reshape(N * B, H).to(hidden_states.dtype)
     if is_tensor_update_accumulating:  # output zero-initialised, blocks accumulate (top-k > 1)
         output = torch.zeros_like(hidden_states).index_add_(0, flat_idx, flat)
     else:  # output[token_indices] = block_output; rows no block writes are uninitialised memory
         output = torch.full_like(hidden_states, float("nan")).index_copy_(0, flat_idx, flat)
-    if not cfg.checkpoint_activation:
+    if not checkpoint_activation:
         return output
     gate_up_T = gu.permute(0, 2, 3, 1).to(gate_up_proj_weight.dtype).contiguous()  # [N, 2, I_TP, B]
-    if cfg.expert_affinity_multiply_on_I:
+    if expert_affinity_multiply_on_I:
         return output, gate_up_T
     return output, gate_up_T, down.to(down_proj_weight.dtype)  # [N, B, H]
 
@@ -333,12 +442,13 @@ def blockwise_mm_bwd(hidden_states, expert_affinities_masked, gate_up_proj_weigh
     d_h = torch.bmm(gug, W_gu.transpose(1, 2))  # [N, B, H]
 
     # all gradients are zero-initialised by the kernel (_initialize_gradient_outputs_shard)
-    down_grad = torch.zeros(E, I, H).index_add_(0, e, d_down).to(down_proj_weight.dtype)
-    gu_grad = torch.zeros(E, H, 2 * I).index_add_(0, e, d_gu).view(E, H, 2, I).to(gate_up_proj_weight.dtype)
+    dev = hidden_states.device
+    down_grad = torch.zeros(E, I, H, device=dev).index_add_(0, e, d_down).to(down_proj_weight.dtype)
+    gu_grad = torch.zeros(E, H, 2 * I, device=dev).index_add_(0, e, d_gu).view(E, H, 2, I).to(gate_up_proj_weight.dtype)
     flat_idx, flat = idx.reshape(-1), d_h.reshape(N * B, H)
-    hs_grad = torch.zeros(T1, H)
+    hs_grad = torch.zeros(T1, H, device=dev)
     hs_grad = hs_grad.index_add_(0, flat_idx, flat) if is_tensor_update_accumulating else hs_grad.index_copy_(0, flat_idx, flat)
-    aff_grad = torch.zeros(T1, E).index_put_((idx.reshape(-1), e[:, None].expand(N, B).reshape(-1)),
+    aff_grad = torch.zeros(T1, E, device=dev).index_put_((idx.reshape(-1), e[:, None].expand(N, B).reshape(-1)),
                                              aff_grad_blocks.reshape(-1))
     return (hs_grad.to(hidden_states.dtype), aff_grad.reshape(-1, 1).to(expert_affinities_masked.dtype),
             gu_grad, down_grad)
@@ -346,12 +456,13 @@ def blockwise_mm_bwd(hidden_states, expert_affinities_masked, gate_up_proj_weigh
 
 # ------------------------------------------------------------------ the backend the wrappers take
 def backend(widen_float32: bool = False):
-    from qwen3_research.kernels.nki import Backend
+    from qwen3_research.kernels.nki import Backend, shard_on_i_constants
 
     _STATE["widen_float32"] = widen_float32
     return Backend(
-        nki_op=nki_op, wrap_nki=wrap_nki, rope_hf=rope_hf, moe_cte=moe_cte, blockwise_mm_bwd=blockwise_mm_bwd,
-        moe_spec=MoECTESpec(MoECTEImplementation.shard_on_i, shard_on_I=ShardOnIConfig(checkpoint_activation=True)),
+        nki_op=nki_op, wrap_nki=wrap_nki, rope_hf=rope_hf, moe_fwd=blockwise_mm_baseline_shard_intermediate,
+        blockwise_mm_bwd=blockwise_mm_bwd,
+        fwd_kwargs=shard_on_i_constants(ActFnType, ExpertAffinityScaleMode),  # the production constants
         bwd_kwargs=dict(shard_option=ShardOption.SHARD_ON_HIDDEN, affinity_option=AffinityOption.AFFINITY_ON_H,
                         kernel_type_option=KernelTypeOption.DROPLESS, activation_type=BwdActFnType.SiLU),
         nl_dtype=lambda dt: dt,
@@ -360,3 +471,12 @@ def backend(widen_float32: bool = False):
 
 def set_widen_float32(on: bool) -> None:
     _STATE["widen_float32"] = on
+
+
+def pretend_neuron_packages(monkeypatch) -> None:
+    """A simulated Neuron host for the registry's package check: torch_neuronx, nki and nkilib are found
+    (the doubles above stand in for what the wrappers take from them); every other module as usual."""
+    from qwen3_research.kernels import nki, registry
+
+    real = registry._find_spec
+    monkeypatch.setattr(registry, "_find_spec", lambda util, name: object() if name in nki._MODULES else real(util, name))

@@ -9,6 +9,7 @@ NKI Library kernels' documented contracts (tests/nki_contract_doubles.py; nothin
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 
@@ -26,9 +27,17 @@ from qwen3_research.kernels.moe import moe_reference  # noqa: E402
 from qwen3_research.kernels.rope import rope_reference  # noqa: E402
 from qwen3_research.kernels.verify import _err, random_routing  # noqa: E402
 from tests import nki_contract_doubles as dbl  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
 
 OPS = nki.build_ops(dbl.backend(), prefix="nki_double")  # the wrappers over the contract doubles
 EXPERTS = "layers.*.moe.routed_experts.inner_experts"
+SHARD_ON_I = "blockwise_mm_baseline_shard_intermediate"  # what moe_cte runs for shard_on_i, called directly
+
+
+@pytest.fixture(autouse=True)
+def neuron_packages_here(monkeypatch):
+    """A simulated Neuron host: the registry's package check finds torch_neuronx, nki and nkilib."""
+    dbl.pretend_neuron_packages(monkeypatch)
 
 
 @pytest.fixture
@@ -130,7 +139,7 @@ def test_nki_moe_matches_reference_forward_and_backward(case, widened):
         assert used == N == 6  # the worst case routing uses every block of the capacity
     assert fwd <= 1e-5 and bwd <= 1e-5  # rel = max abs err / max |reference|, as verify_kernels
     assert not torch.isnan(y).any()  # no row read from an unwritten (NaN in the double) output row
-    assert dbl.LAUNCHES == [("moe_cte", (lnc,)), ("blockwise_mm_bwd", (lnc,))]
+    assert dbl.LAUNCHES == [(SHARD_ON_I, (lnc,)), ("blockwise_mm_bwd", (lnc,))]
 
 
 def test_nki_moe_bfloat16_path_matches_reference_within_aws_tolerance():
@@ -335,3 +344,156 @@ def test_verify_uses_the_kernel_specs_tolerance(monkeypatch):
     (check,) = verify_plan(model, plan, cfg, cpu, printer=lambda s: None)
     print(f"rope_fast rel err {max(check.fwd_rel, check.bwd_rel):.2e} vs spec tolerance {check.tol}")
     assert check.tol == 1e-12 and not check.ok  # rounding (~1e-7) now exceeds the spec's tolerance
+
+
+# ----------------------------------------------------------------------------------- wrap_nki's constants
+def _moe_kernel_args(dtype=torch.bfloat16):
+    """Tensor arguments of one shard-on-I / moe_cte launch, as the wrapper builds them."""
+    E, H, I, counts, B, _ = MOE_CASES["uneven_empty_experts"]
+    x, w1, w2, w3, _ = _moe_case(E, H, I, counts)
+    R = x.shape[0]
+    tpi, b2e, aff = nki.block_plan(counts, R, E, B, nki.capacity_blocks(R, E, B), dtype)
+    return dict(hidden_states=nki._with_pad_row(x, dtype), expert_affinities_masked=aff,
+                gate_up_proj_weight=nki.gate_up_layout(w1, w3, dtype), down_proj_weight=nki.down_layout(w2, dtype),
+                token_position_to_id=tpi, block_to_expert=b2e, block_size=B, compute_dtype=dtype,
+                is_tensor_update_accumulating=False)
+
+
+def test_wrap_nki_rejects_an_unhashable_constant_argument():
+    """torch_neuronx hashes every non-tensor kernel argument: nkilib's MoECTESpec (a plain dataclass,
+    __hash__ None) fails as it would on a Trainium host, before the kernel runs; so does an unhashable
+    value inside a list; a hashable spec of the same content passes."""
+    spec = dbl.MoECTESpec(dbl.MoECTEImplementation.shard_on_i, shard_on_I=dbl.ShardOnIConfig(checkpoint_activation=True))
+    assert dbl.MoECTESpec.__hash__ is None  # what @dataclass (eq=True, not frozen) does
+    dbl.LAUNCHES.clear()
+    with pytest.raises(RuntimeError, match=r"^sema\.err_nki_param_not_hashable") as e:
+        dbl.wrap_nki(dbl.moe_cte)[(2,)](**_moe_kernel_args(), spec=spec)
+    print(f"moe_cte(spec=MoECTESpec(...)) through wrap_nki: {type(e.value).__name__}: {e.value}")
+    assert dbl.LAUNCHES == []  # rejected before anything ran
+    with pytest.raises(RuntimeError, match="err_nki_param_not_hashable"):
+        dbl.wrap_nki(dbl.blockwise_mm_baseline_shard_intermediate)[(2,)](
+            **_moe_kernel_args(), gate_clamp_upper_limit=[dbl.ShardOnIConfig()])  # inside a list: mapped, then hashed
+    frozen = dataclasses.make_dataclass("FrozenSpec", [("implementation", object), ("shard_on_I", object)], frozen=True)
+    hashable_cfg = dataclasses.make_dataclass("FrozenCfg", [("checkpoint_activation", bool),
+                                                            ("expert_affinity_multiply_on_I", bool)], frozen=True)
+    out = dbl.wrap_nki(dbl.moe_cte)[(2,)](**_moe_kernel_args(), spec=frozen(
+        dbl.MoECTEImplementation.shard_on_i, hashable_cfg(True, False)))
+    assert len(out) == 3 and dbl.LAUNCHES == [("moe_cte", (2,))]  # the hashable spec ran
+
+
+def test_the_projects_nki_calls_pass_wrap_nkis_hashing():
+    """The wrappers' launches (rope_hf fwd/bwd, the shard-on-I forward, blockwise_mm_bwd) in bfloat16: every
+    constant argument hashes, the forward's are moe_cte's shard_on_i ones with POST_SCALE explicit, and a
+    second step registers no new constant set (one compiled kernel per shape, not one per call)."""
+    E, H, I, counts, B, lnc = MOE_CASES["uneven_empty_experts"]
+    x, w1, w2, w3, gy = _moe_case(E, H, I, counts)
+    q, k = torch.randn(1, 256, 4, 64), torch.randn(1, 256, 2, 64)
+    cos, sin = torch.rand(1, 256, 1, 64), torch.rand(1, 256, 1, 64)
+    dbl.CONSTANT_KEYS.clear()
+    for _ in range(2):  # two training steps
+        ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+        OPS.moe(*ins, counts, B, lnc=lnc, dtype=torch.bfloat16).float().backward(gy)
+        qr, kr = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        sum(t.sum() for t in OPS.rope(qr, kr, cos, sin, lnc=lnc)).backward()
+    fwd = dbl.CONSTANTS[SHARD_ON_I]
+    print({name: len(keys) for name, keys in dbl.CONSTANT_KEYS.items()}, {k: v for k, v in fwd.items() if v is not None})
+    assert fwd["expert_affinities_scaling_mode"] == dbl.ExpertAffinityScaleMode.POST_SCALE  # not the PRE_SCALE default
+    assert fwd["checkpoint_activation"] is True and fwd["expert_affinity_multiply_on_I"] is False
+    assert fwd["is_tensor_update_accumulating"] is False and fwd["block_size"] == B
+    assert dbl.CONSTANT_KEYS.keys() == {SHARD_ON_I, "blockwise_mm_bwd", "rope_hf"}
+    assert {name: len(keys) for name, keys in dbl.CONSTANT_KEYS.items()} == {
+        SHARD_ON_I: 1, "blockwise_mm_bwd": 1, "rope_hf": 2}  # rope: backward=False and backward=True
+
+
+def test_wrap_nki_fake_path_takes_shapes_from_a_meta_trace():
+    """On fake tensors the launch returns empty tensors of the shapes the kernel gives on meta tensors
+    (torch_neuronx's get_dumped_config), the shapes the real call returns."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    args = _moe_kernel_args()
+    real = dbl.wrap_nki(dbl.blockwise_mm_baseline_shard_intermediate)[(2,)](**args, **nki.shard_on_i_constants(
+        dbl.ActFnType, dbl.ExpertAffinityScaleMode))
+    with FakeTensorMode() as mode:
+        fake_args = {n: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in args.items()}
+        fake = dbl.wrap_nki(dbl.blockwise_mm_baseline_shard_intermediate)[(2,)](**fake_args, **nki.shard_on_i_constants(
+            dbl.ActFnType, dbl.ExpertAffinityScaleMode))
+    print("fake path shapes:", [tuple(t.shape) for t in fake])
+    assert all(isinstance(t, FakeTensor) for t in fake)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+# ----------------------------------------------------------------------------------- 32K tokens per call
+def test_more_rows_than_a_call_takes_are_split_into_calls(widened):
+    """R rows with tokens_per_call=T: ceil(R / (T-1)) launches of <= T-1 rows (+ the padding row), each with
+    its own counts; forward and backward equal the reference as for one call."""
+    E, H, I, counts, B, lnc = MOE_CASES["block512"]  # 600 rows
+    x, w1, w2, w3, gy = _moe_case(E, H, I, counts)
+    ref_in = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    ref = moe_reference(*ref_in, counts)
+    ref.backward(gy)
+    k_in = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    dbl.LAUNCHES.clear()
+    y = OPS.moe(*k_in, counts, B, lnc=lnc, dtype=torch.float32, tokens_per_call=251)
+    y.backward(gy)
+    fwd = _err(y, ref)[1]
+    bwd = max(_err(a.grad, b.grad)[1] for a, b in zip(k_in, ref_in))
+    print(f"600 rows, tokens_per_call=251: calls {nki.row_chunks(600, 251)}; rel err fwd {fwd:.2e} bwd {bwd:.2e}")
+    assert nki.row_chunks(600, 251) == [250, 250, 100]
+    assert [n for n, _ in dbl.LAUNCHES] == [SHARD_ON_I] * 3 + ["blockwise_mm_bwd"] * 3
+    assert fwd <= 1e-5 and bwd <= 1e-5
+    # the documented limit: 32,767 rows + the padding row fit one call, 32,768 (seq 4096 x top-8) take two
+    assert nki.row_chunks(32767) == [32767] and nki.row_chunks(32768) == [32767, 1]
+
+
+def test_nki_moe_cost_is_stated_for_30b_a3b_at_seq_4096(big_moe):
+    """The kernel plan's terms for Qwen3-30B-A3B at seq 4096, batch 1 (AWS's sequence length): 32,768 routed
+    rows split into 2 calls (32,767 + 1); padding and saved bytes from the static capacity: ≈21 GiB saved
+    for backward over 48 layers without activation checkpointing, one layer's with it."""
+    cfg = _cfg("nki_moe", "type:GroupedExperts", seq_len=4096)
+    module = next(m for m in big_moe.modules() if type(m).__name__ == "GroupedExperts")
+    c = nki.moe_cost(module, {"block_size": 256}, cfg, NEURON2, layers=48)
+    lines, saved = nki._describe_moe(module, {"block_size": 256}, cfg, NEURON2, 48)
+    print("\n".join(lines))
+    assert (c["rows"], c["calls"], c["blocks"]) == (32768, 2, 255 + 1)  # floor((32767 + 128·255) / 256) + 1
+    assert saved == c["saved_bytes"] == 48 * 256 * (2 * 768 * 256 + 256 * 2048) * 2  # no AC: every layer's
+    assert "split into 2 kernel calls" in lines[0] and "× 48 held at once" in lines[1]
+    assert 20.5 < saved / 1024**3 < 21.5
+    cfg.parallelism.activation_checkpoint = "full"
+    assert nki.moe_cost(module, {"block_size": 256}, cfg, NEURON2, layers=48)["saved_bytes"] == saved // 48
+
+
+def test_the_debug_flavor_meets_every_nki_constraint():
+    """model.flavor=nki_debug is the smallest MoE the kernels take: nki_moe and nki_rope resolve on one LNC=2
+    rank with no error (only the documented-range warning for I_TP=512, as for 30B-A3B's 768)."""
+    from qwen3_research.config import ModelConfig
+    from qwen3_research.models.flavors import get_flavor
+    from qwen3_research.models.native import NativeQwen3
+
+    f = get_flavor("native_moe", "nki_debug")
+    model = NativeQwen3(ModelConfig(backend="native_moe", flavor="nki_debug"), torch.device("meta"), 256, 0).model
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        moe = resolve(model, _cfg("nki_moe", "type:GroupedExperts", flavor="nki_debug"), NEURON2)
+        rope = resolve(model, _cfg("nki_rope", "type:CosSinRoPE", flavor="nki_debug"), NEURON2)
+    texts = [str(w.message) for w in rec if issubclass(w.category, KernelMatchWarning)]
+    print(f"nki_debug: dim {f.dim}, {f.n_layers} layers, {f.num_experts} experts of width {f.hidden_dim}, "
+          f"top-{f.top_k}, head_dim {f.head_dim}; warnings: {texts}")
+    assert len(moe["nki_moe"]) == len(rope["nki_rope"]) == f.n_layers == 2
+    assert texts == ["kernels=nki_moe: expert width I_TP=512 is outside moe_cte's documented range 2048..16384 (not "
+                     "asserted by the kernel; AWS's own tests run shard_on_i at 768 and 1536); check on hardware"]
+
+
+def test_plan_a_trainium_kernel_run_on_cpu(tmp_path):
+    """qwen3_research.plan for the debug flavor with kernels=nki_moe on device=neuron, on this CPU host:
+    the capacity comes from device.memory_gib, the kernel's terms are printed, nothing claims Neuron."""
+    args = ["model=native_moe", "model.flavor=nki_debug", "kernels=nki_moe", "device=neuron", "device.memory_gib=24",
+            "training.mixed_precision=bf16", "data.seq_len=256", "data.batch_size=1"]
+    proc = run_cli(args, module="qwen3_research.plan")
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cost per micro-batch: 512 routed rows (batch × seq_len × top-2), 1 kernel call" in proc.stdout
+    assert "saved for backward: " in proc.stdout and "kernel saved" in proc.stdout
+    assert "planned for device=neuron, which this host does not have" in proc.stdout
+    assert "capacity per rank: 24.00 GiB (device.memory_gib); verdict: fits" in proc.stdout
+    missing = run_cli(args[:4] + args[5:], module="qwen3_research.plan")
+    assert missing.returncode == 2 and "planning it needs device.memory_gib" in missing.stderr

@@ -72,9 +72,7 @@ def test_kill_at_6_then_resume_is_one_run(resumed):
     assert_one_run(resumed)
 
 
-@pytest.mark.slow
-def test_kill_at_6_then_resume_is_one_run_two_ranks(tmp_path):
-    assert_one_run(kill_and_resume(tmp_path, DP2))
+# Two ranks (with evaluation, SIGTERM and SIGKILL, on fsdp, tp2 and ep2): tests/test_combinations.py.
 
 
 # -- refusals on the finished run: exit status, one line, nothing changed ----------------------------
@@ -379,3 +377,29 @@ def test_an_unknown_wandb_mode_is_one_warning(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if "bogus" in ln]
     assert lines == ["warning: WANDB_MODE='bogus' is not one of online, offline, disabled; W&B is off for this run"]
     assert not (tmp_path / "r" / "wandb").exists()
+
+
+def test_a_checkpoint_dir_has_one_owner(tmp_path):
+    """Run A saves into a checkpoint.dir outside its run dir and is recorded there (owner.json). Run B in a new
+    run dir pointed at it is refused by name, whatever it asks (a fresh start, overwrite=true, resume=auto), and
+    A's files stay byte-identical: checkpoint.overwrite=true once deleted A's checkpoints."""
+    shared = tmp_path / "shared_ckpts"
+    args = QUICK + ["training.steps=1", "logging.wandb.mode=disabled", "checkpoint.enable=true", f"checkpoint.dir={shared}"]
+    run_a = tmp_path / "a"
+    assert_ok(run_cli(args, run_dir=run_a))
+    assert json.loads((shared / "owner.json").read_text())["run_dir"] == str(run_a)
+    before = {**snapshot(run_a), **{f"shared/{k}": v for k, v in snapshot(shared).items()}}
+    run_b = tmp_path / "b"
+    expected = (f"config error: checkpoint.dir={shared} belongs to the run in {run_a} ({shared}/owner.json); a run "
+                "never writes into, resumes from or overwrites another run's checkpoint directory: choose another "
+                f"checkpoint.dir, or continue that run with hydra.run.dir={run_a} checkpoint.resume=auto")
+    for extra in ([], ["checkpoint.overwrite=true"], ["checkpoint.resume=auto"]):
+        proc = run_cli(args + extra, run_dir=run_b)
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        assert proc.returncode == 2 and lines == [expected], (extra, proc.returncode, lines)
+        assert not run_b.exists()
+        assert {**snapshot(run_a), **{f"shared/{k}": v for k, v in snapshot(shared).items()}} == before
+    # A itself continues in its own checkpoint.dir.
+    assert_ok(run_cli([a for a in args if not a.startswith("training.steps")] + ["training.steps=2", "checkpoint.resume=auto"],
+                      run_dir=run_a))
+    assert (shared / "step-00000002").is_dir()

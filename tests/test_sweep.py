@@ -137,3 +137,74 @@ def test_optuna_search_runs_trials(tmp_path):
     best = (sweep_dir / "optimization_results.yaml").read_text()
     assert "best_params" in best and "optimizer.lr" in best
     assert len(_runs(sweep_dir)) == 2
+
+
+# -- a signal stops the whole sweep (issue 21, point 3) ------------------------------------------------
+
+SIGNAL_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def seed1_losses(tmp_path_factory) -> list[float]:
+    """The uninterrupted losses of the sweep's first point (training.seed=1)."""
+    run = tmp_path_factory.mktemp("seed1") / "run"
+    proc = run_cli(QUICK + [f"training.steps={SIGNAL_STEPS}", "training.seed=1", "logging.wandb.mode=disabled"], run_dir=run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [r["loss"] for r in read_metrics(run) if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame, layout", [("SIGINT", []), ("SIGTERM", ["parallelism=fsdp"])], ids=["SIGINT-1rank", "SIGTERM-2ranks"])
+def test_a_signal_stops_the_sweep_and_the_same_command_resumes_it(signame, layout, tmp_path, seed1_losses):
+    """The first signal ends the current point as a run ends (it saves, `interrupted` at its step), starts no
+    further point and exits 128+signal; the report marks the point interrupted, never with a final loss. The
+    same command resumes: the interrupted point continues from its checkpoint, the other one runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env, wandb_history
+
+    signum = getattr(signal, signame)
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "qwen3_research", "-m", "training.seed=1,2", *QUICK, *layout,
+           f"training.steps={SIGNAL_STEPS}", "logging.wandb.mode=offline", "sweep.plan=false", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def logged() -> int:
+        files = list(sweep.glob("0_*/metrics.jsonl"))
+        return len(files[0].read_text().splitlines()) if files else 0
+
+    deadline = time.time() + 240
+    while time.time() < deadline and logged() < 2 and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    print(last)
+    assert last.startswith(f"sweep interrupted by {signame} in point 0_") and "no further point started" in last
+    points = sorted(d.name for d in sweep.iterdir() if (d / ".hydra").is_dir())
+    assert len(points) == 1, points  # the second point never started
+    point = sweep / points[0]
+    summary = json.loads((point / "summary.json").read_text())
+    stopped = summary["step"]
+    assert summary["status"] == "interrupted" and 2 <= stopped < SIGNAL_STEPS, summary
+    assert (point / "checkpoints" / f"step-{stopped:08d}").is_dir()
+    with open(sweep / "comparison.csv") as fh:
+        row = next(csv.DictReader(fh))
+    print(row)
+    assert row["status"] == "interrupted" and row["steps"] == f"{stopped}/{SIGNAL_STEPS}" and row["final_loss"] == ""
+
+    again = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"sweep point {point.name}: resuming the interrupted attempt from {point}/checkpoints/step-{stopped:08d}" in again.stdout
+    with open(sweep / "comparison.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["ok", "ok"] and [r["steps"] for r in rows] == [f"{SIGNAL_STEPS}/{SIGNAL_STEPS}"] * 2
+    assert [r["step"] for r in read_metrics(point)] == list(range(1, SIGNAL_STEPS + 1))
+    ids, wb_steps = wandb_history(point)
+    assert len(ids) == 1 and wb_steps == list(range(1, SIGNAL_STEPS + 1))
+    if not layout:  # one rank: the resumed point's losses are the uninterrupted run's (2 ranks: test_combinations)
+        assert [r["loss"] for r in read_metrics(point)] == seed1_losses

@@ -296,8 +296,9 @@ def _export_native(backend, out_dir: Path, tmp: Path, is_main: bool, *, tokenize
     except ExportError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a rank's write error (DCP wraps it): an export failure on every rank
-        if isinstance(root_cause(e), KeyboardInterrupt):  # Ctrl-C inside DCP's write
-            raise KeyboardInterrupt from None
+        cause = root_cause(e)
+        if not isinstance(cause, Exception):  # Ctrl-C or SIGTERM inside DCP's write: unwind as that signal
+            raise cause from None
         why, advice = write_failure(e, out_dir.parent, "out_dir")  # before the partial files are removed
         error, fix = f"HF export {out_dir}: {why}"[:400], f"the partial export was removed; {advice}"
     if _dist():

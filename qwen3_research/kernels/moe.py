@@ -189,12 +189,12 @@ def make_experts_forward(op, default_options: dict):
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        w1, w2, w3 = self.w1_EFD, self.w2_EDF, self.w3_EFD
+        from qwen3_research import titan
+
+        w1, w2, w3 = titan.expert_weights(self)  # 0.3.x w1_EFD/w2_EDF/w3_EFD, 0.2.x w1/w2/w3
         if isinstance(w1, DTensor):  # same as torchtitan: local shards inside the local_map region
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         counts = num_tokens_per_expert_E
-        from qwen3_research import titan
-
         titan.mark_expert_counts_varying(counts)
         opts = {**default_options, **self._kernel_options}
         dt = _DTYPES[opts.pop("dtype", "input")] or x_RD.dtype

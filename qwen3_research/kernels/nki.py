@@ -12,10 +12,18 @@ Kernels called (AWS NKI Library, ``aws-neuron/nki-library``; bundled with ``neur
   cos/sin [seq, head_dim] or [batch, seq, head_dim], rotate-half convention, ``backward=True``
   applies the transposed rotation; splits seq over the LNC programs (``nl.program_id``), hence
   ``seq_len % (128 × LNC) == 0`` (its ``_validate_apply_rope_inputs``).
-* ``nkilib.core.moe.moe_cte.moe_cte.moe_cte`` (src/nkilib_src/nkilib/core/moe/moe_cte/moe_cte.py,
-  API: awsdocs-neuron .../nki/library/api/moe-cte.html) with ``MoECTESpec(shard_on_i,
-  ShardOnIConfig(checkpoint_activation=True))``, the variant that returns the activations
-  the backward needs: (output [T+1, H], gate_up_activations_T [N, 2, I, B], down_activations [N, B, H]).
+* ``nkilib.core.moe.moe_cte.bwmm_shard_on_I.blockwise_mm_baseline_shard_intermediate``
+  (src/nkilib_src/nkilib/core/moe/moe_cte/bwmm_shard_on_I.py; the kernel ``moe_cte`` runs for
+  ``MoECTESpec(shard_on_i, ShardOnIConfig(checkpoint_activation=True))``, moe_cte.py; API:
+  awsdocs-neuron .../nki/library/api/moe-cte.html), called directly with ``checkpoint_activation=True``
+  and an explicit ``POST_SCALE`` (its own default is PRE_SCALE; moe_cte's is POST_SCALE): the variant
+  that returns the activations the backward needs: (output [T+1, H], gate_up_activations_T
+  [N, 2, I, B], down_activations [N, B, H]). Not through ``moe_cte``: torch_neuronx hashes every
+  non-tensor kernel argument (``get_dconfig_and_tensor_args`` -> ``_generate_hash_key`` in
+  torch_neuronx/nki_hop.py; ``_return_shape_dtype_or_hashable`` raises ``err_nki_param_not_hashable``
+  for an unhashable one, torch_neuronx/nki_kernel.py, parmoham-aws/test-repo-parmoham), and
+  ``MoECTESpec``/``ShardOnIConfig`` are plain (non-frozen) dataclasses, whose ``__hash__`` is None.
+  Every constant passed here is an int, bool, enum member, None, or the kernels' dtype value.
 * ``nkilib.experimental.moe.bwd.blockwise_mm_backward.blockwise_mm_bwd``
   (src/nkilib_src/nkilib/experimental/moe/bwd/blockwise_mm_backward.py, API: .../nki/library/api/
   blockwise-mm-backward.html): (hidden_states_grad, expert_affinities_masked_grad,
@@ -61,6 +69,27 @@ NS = "qwen3_research"
 MOE_BLOCK_SIZES = (256, 512, 1024)  # moe_cte: multiple of 256 in 256..1024; blockwise_mm_bwd: 128/256/512/1024
 DEFAULT_BLOCK_SIZE = 256  # smallest both take: least padding (worst case (E-1)·(B-1) padded slots)
 MOE_DTYPES = (torch.bfloat16, torch.float16)  # "Supported Data Types: Input: bfloat16, float16" (both API pages)
+# "Total tokens T: Up to 32K tokens per call" (blockwise_mm_baseline_shard_intermediate's docstring,
+# "Intended Usage"; the moe-cte API page). The kernel's token dimension is hidden_states' T+1 rows
+# (our R routed rows + the padding row), so a call takes R <= 32,767; more rows are split into calls.
+MAX_ROWS_PER_CALL = 32 * 1024
+MOE_OPTIONS = {"block_size": DEFAULT_BLOCK_SIZE, "tokens_per_call": MAX_ROWS_PER_CALL}  # nki_moe's options
+
+
+def row_chunks(rows: int, limit: int = MAX_ROWS_PER_CALL) -> list[int]:
+    """Sizes of the calls ``rows`` routed rows are split into: each with ``size + 1 <= limit`` kernel
+    tokens; full calls first, then the rest. Not balanced on purpose: every call adds its own worst-case
+    padding, up to min(E, rows)·(B-1) slots, so a small last call costs least (32,768 rows, E=128, B=256:
+    [32767, 1] -> 255 + 1 blocks; [16384, 16384] would be 191 + 191)."""
+    full, rest = divmod(rows, limit - 1)
+    return [limit - 1] * full + ([rest] if rest or not full else [])
+
+
+def chunk_counts(counts: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Per-expert counts of the expert-sorted rows [start, stop): static-shape ops, no value read."""
+    end = torch.cumsum(counts.to(torch.int64), 0)
+    begin = end - counts.to(torch.int64)
+    return (end.clamp(start, stop) - begin.clamp(start, stop)).to(counts.dtype)
 
 
 # ---------------------------------------------------------------------------- static block plan
@@ -143,9 +172,9 @@ class Backend:
     nki_op: Callable
     wrap_nki: Callable
     rope_hf: Any
-    moe_cte: Any
+    moe_fwd: Any  # blockwise_mm_baseline_shard_intermediate (what moe_cte runs for shard_on_i)
     blockwise_mm_bwd: Any
-    moe_spec: Any  # MoECTESpec(shard_on_i, ShardOnIConfig(checkpoint_activation=True))
+    fwd_kwargs: dict  # its constant arguments: activation, POST_SCALE, checkpoint_activation=True, ...
     bwd_kwargs: dict  # shard/affinity/kernel-type/activation enums for blockwise_mm_bwd
     nl_dtype: Callable[[torch.dtype], Any]  # torch dtype -> the kernels' compute_dtype value
 
@@ -154,7 +183,9 @@ def neuron_backend() -> Backend:
     """The real one: imports torch_neuronx and nkilib (Neuron hosts only; called on install)."""
     import nki.language as nl
     from nkilib.core.embeddings.rope_hf import rope_hf
-    from nkilib.core.moe.moe_cte.moe_cte import MoECTEImplementation, MoECTESpec, ShardOnIConfig, moe_cte
+    from nkilib.core.moe.moe_cte.bwmm_shard_on_I import blockwise_mm_baseline_shard_intermediate
+    from nkilib.core.utils.common_types import ActFnType as FwdActFnType
+    from nkilib.core.utils.common_types import ExpertAffinityScaleMode
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
     from nkilib.experimental.moe.bwd.moe_bwd_parameters import (
         ActFnType,
@@ -166,13 +197,58 @@ def neuron_backend() -> Backend:
 
     dtypes = {torch.bfloat16: nl.bfloat16, torch.float16: nl.float16, torch.float32: nl.float32}
     return Backend(
-        nki_op=nki_op, wrap_nki=wrap_nki, rope_hf=rope_hf, moe_cte=moe_cte, blockwise_mm_bwd=blockwise_mm_bwd,
-        moe_spec=MoECTESpec(implementation=MoECTEImplementation.shard_on_i,
-                            shard_on_I=ShardOnIConfig(checkpoint_activation=True)),
+        nki_op=nki_op, wrap_nki=wrap_nki, rope_hf=rope_hf, moe_fwd=blockwise_mm_baseline_shard_intermediate,
+        blockwise_mm_bwd=blockwise_mm_bwd,
+        fwd_kwargs=shard_on_i_constants(FwdActFnType, ExpertAffinityScaleMode),
         bwd_kwargs=dict(shard_option=ShardOption.SHARD_ON_HIDDEN, affinity_option=AffinityOption.AFFINITY_ON_H,
                         kernel_type_option=KernelTypeOption.DROPLESS, activation_type=ActFnType.SiLU),
         nl_dtype=dtypes.__getitem__,
     )
+
+
+def shard_on_i_constants(act_fn_type, scale_mode) -> dict:
+    """The shard-on-I forward's constant arguments: what ``moe_cte`` passes for
+    ``MoECTESpec(shard_on_i, ShardOnIConfig(checkpoint_activation=True))`` (moe_cte.py), with moe_cte's
+    POST_SCALE default made explicit (the function's own default is PRE_SCALE). Clamps, biases, scales
+    and ``skip_dma`` keep the function's defaults (None / its one default ``SkipMode()`` instance)."""
+    return dict(activation_function=act_fn_type.SiLU, expert_affinities_scaling_mode=scale_mode.POST_SCALE,
+                checkpoint_activation=True, expert_affinity_multiply_on_I=False)
+
+
+def shape_backend() -> Backend:
+    """The kernels' documented output shapes and nothing else, for planning memory (qwen3_research.plan)
+    on a host without Neuron: each kernel returns uninitialised tensors of the shapes and dtypes its
+    docstring states (rope_hf: q_out, k_out; shard-on-I with checkpoint_activation: [T+1, H],
+    [N, 2, I_TP, B], [N, B, H]; blockwise_mm_bwd: [T, H], [T·E, 1], [E, H, 2, I_TP], [E, I_TP, H]).
+    Never used to compute: the plan traces on fake tensors, where only shapes exist."""
+
+    def op(name, fn=None, mutates_args=()):
+        opdef = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        opdef.register_fake(fn)
+        return opdef
+
+    class Launch:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return self.fn
+
+    def rope_hf(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False):
+        return q_out, k_out
+
+    def moe_fwd(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight, block_size,
+                token_position_to_id, block_to_expert, **_):
+        N, (E, H, _two, I) = token_position_to_id.shape[0] // block_size, gate_up_proj_weight.shape
+        return (torch.empty_like(hidden_states), gate_up_proj_weight.new_empty(N, 2, I, block_size),
+                down_proj_weight.new_empty(N, block_size, H))
+
+    def bwd(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight, *_, **__):
+        return (torch.empty_like(hidden_states), torch.empty_like(expert_affinities_masked),
+                torch.empty_like(gate_up_proj_weight), torch.empty_like(down_proj_weight))
+
+    return Backend(nki_op=op, wrap_nki=Launch, rope_hf=rope_hf, moe_fwd=moe_fwd, blockwise_mm_bwd=bwd,
+                   fwd_kwargs={}, bwd_kwargs={}, nl_dtype=lambda dt: dt)
 
 
 # ---------------------------------------------------------------------------- ops
@@ -183,7 +259,7 @@ def build_ops(backend: Backend, prefix: str = "nki") -> SimpleNamespace:
     kernel dtype; all the arithmetic is the library's.
     """
     be = backend
-    rope_k, moe_k, bwd_k = be.wrap_nki(be.rope_hf), be.wrap_nki(be.moe_cte), be.wrap_nki(be.blockwise_mm_bwd)
+    rope_k, moe_k, bwd_k = be.wrap_nki(be.rope_hf), be.wrap_nki(be.moe_fwd), be.wrap_nki(be.blockwise_mm_bwd)
 
     # -- RoPE: q/k [B, L, heads, D] (torchtitan) <-> [B, heads, L, D] (rope_hf) --
     def rope_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
@@ -220,8 +296,9 @@ def build_ops(backend: Backend, prefix: str = "nki") -> SimpleNamespace:
         out, gate_up_T, down_act = moe_k[(lnc,)](
             hidden_states=_with_pad_row(x, dtype), expert_affinities_masked=aff,
             gate_up_proj_weight=gate_up_layout(w1, w3, dtype), down_proj_weight=down_layout(w2, dtype),
-            token_position_to_id=tpi, block_to_expert=b2e, block_size=block_size, spec=be.moe_spec,
+            token_position_to_id=tpi, block_to_expert=b2e, block_size=block_size,
             compute_dtype=be.nl_dtype(dtype), is_tensor_update_accumulating=False,  # one expert per row
+            **be.fwd_kwargs,
         )
         return out[:R], gate_up_T, down_act
 
@@ -261,9 +338,21 @@ def build_ops(backend: Backend, prefix: str = "nki") -> SimpleNamespace:
     moe_fwd_op.register_autograd(moe_backward, setup_context=moe_setup)
 
     def moe(x, w1, w2, w3, counts, block_size: int = DEFAULT_BLOCK_SIZE, *, lnc: int = 2,
-            dtype: torch.dtype = torch.bfloat16):
-        """Differentiable SwiGLU experts y [R, H] (in ``dtype``) from expert-sorted rows x [R, H]."""
-        return moe_fwd_op(x.contiguous(), w1, w2, w3, counts, int(block_size), int(lnc), dtype)[0]
+            dtype: torch.dtype = torch.bfloat16, tokens_per_call: int = MAX_ROWS_PER_CALL):
+        """Differentiable SwiGLU experts y [R, H] (in ``dtype``) from expert-sorted rows x [R, H].
+
+        More than ``tokens_per_call`` - 1 rows: one kernel call per chunk of rows (``row_chunks``), each
+        with its own counts (``chunk_counts``) and capacity; autograd sums the weight gradients."""
+        x = x.contiguous()
+        sizes = row_chunks(x.shape[0], int(tokens_per_call))
+        if len(sizes) == 1:
+            return moe_fwd_op(x, w1, w2, w3, counts, int(block_size), int(lnc), dtype)[0]
+        outs, start = [], 0
+        for size in sizes:
+            c = chunk_counts(counts, start, start + size)
+            outs.append(moe_fwd_op(x[start:start + size], w1, w2, w3, c, int(block_size), int(lnc), dtype)[0])
+            start += size
+        return torch.cat(outs)
 
     def rope(q, k, cos, sin, *, lnc: int = 2):
         return rope_op(q, k, cos, sin, False, int(lnc))
@@ -273,43 +362,50 @@ def build_ops(backend: Backend, prefix: str = "nki") -> SimpleNamespace:
 
 
 @functools.lru_cache(maxsize=None)
-def _ops() -> SimpleNamespace:
+def _ops(planning: bool = False) -> SimpleNamespace:
+    """The ops over the real kernels; with ``planning``, over their output shapes (``shape_backend``)."""
+    if planning:
+        return build_ops(shape_backend(), prefix="nki_plan")
     return build_ops(neuron_backend())
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_apply(lnc: int):
-    ops = _ops()
-    return functools.partial(ops.moe, lnc=lnc, dtype=torch.bfloat16)
+def _moe_apply(lnc: int, planning: bool = False):
+    return functools.partial(_ops(planning).moe, lnc=lnc, dtype=torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
-def _rope_apply(lnc: int):
-    return functools.partial(_ops().rope, lnc=lnc)
+def _rope_apply(lnc: int, planning: bool = False):
+    return functools.partial(_ops(planning).rope, lnc=lnc)
 
 
 def _lnc(device) -> int:
     return int(getattr(device, "lnc", None) or 2)
 
 
+def _planning(device) -> bool:
+    return bool(getattr(device, "planning", False))
+
+
 # ---------------------------------------------------------------------------- registry glue
 def _install_moe(module, options, device=None):
     from qwen3_research.kernels.moe import install_experts
 
-    install_experts("nki_moe", _moe_apply(_lnc(device)), {"block_size": DEFAULT_BLOCK_SIZE})(module, options)
+    op = _moe_apply(_lnc(device), _planning(device))
+    install_experts("nki_moe", op, MOE_OPTIONS)(module, options)
 
 
 def _install_rope(module, options, device=None):
     from qwen3_research.kernels.rope import install_rope
 
-    install_rope("nki_rope", _rope_apply(_lnc(device)), pair=True)(module, options)
+    install_rope("nki_rope", _rope_apply(_lnc(device), _planning(device)), pair=True)(module, options)
 
 
 def _verify_moe(module, shapes, device, options):
     from qwen3_research.kernels.verify import verify_moe
 
     return verify_moe(module, shapes, device, {k: v for k, v in options.items() if k != "dtype"},
-                      op=_moe_apply(_lnc(device)), default_options={"block_size": DEFAULT_BLOCK_SIZE},
+                      op=_moe_apply(_lnc(device)), default_options=MOE_OPTIONS,
                       compute_dtype=torch.bfloat16)
 
 
@@ -320,24 +416,80 @@ def _verify_rope(module, shapes, device, options):
     return verify_rope(module, shapes, device, lambda x, c, s: pair(x, x, c, s)[0])
 
 
-def _local_expert_shape(w1, tp: int) -> tuple[int, int, int]:
+def _local_expert_shape(module, tp: int) -> tuple[int, int, int]:
     """(E, I_TP, H) one rank's kernel sees: the registry runs before sharding, and torchtitan's TP plan
     shards the experts' hidden width I (w1/w3 dim 1)."""
+    from qwen3_research import titan
+
+    w1 = titan.expert_weights(module)[0]
     if hasattr(w1, "to_local"):
         return tuple(w1.to_local().shape)
     E, I, H = w1.shape
     return E, I // max(tp, 1), H
 
 
+def moe_cost(module, options, cfg, device, layers: int = 1) -> dict:
+    """What nki_moe costs per micro-batch on one rank, from the run's shapes (no tensor needed).
+
+    rows R = batch × seq_len × top_k (each routed row is one kernel token), split into ``row_chunks``
+    calls; each call has the static capacity N blocks of B slots, all computed (shard_on_i runs every
+    block, padding included: bwmm_shard_on_I.py "Processes all blocks sequentially without
+    distinguishing padded vs non-padded blocks"); the forward keeps gate_up_activations_T [N, 2, I_TP, B]
+    and down_activations [N, B, H] (bf16) for the backward, per MoE layer."""
+    E, I, H = _local_expert_shape(module, cfg.parallelism.tp)
+    B = int(options.get("block_size", DEFAULT_BLOCK_SIZE))
+    top_k = _top_k(cfg)
+    R = cfg.data.batch_size * cfg.data.seq_len * top_k
+    limit = int(options.get("tokens_per_call", MAX_ROWS_PER_CALL))
+    calls = row_chunks(R, limit)
+    blocks = sum(capacity_blocks(r, E, B) for r in calls)
+    saved = blocks * (2 * I * B + B * H) * 2  # bf16
+    # Without activation checkpointing every MoE layer keeps its checkpoints until its backward; with it
+    # (full, or torchtitan's op-level selective, whose save list has no custom op) the layer's forward is
+    # recomputed in backward, one layer at a time.
+    held = layers if cfg.parallelism.activation_checkpoint == "none" else 1
+    return {"rows": R, "calls": len(calls), "tokens_per_call": limit, "blocks": blocks, "slots": blocks * B,
+            "padding_factor": blocks * B / R, "saved_bytes_per_layer": saved, "saved_bytes": saved * held,
+            "layers": layers, "held_layers": held, "block_size": B, "top_k": top_k}
+
+
+def _top_k(cfg) -> int:
+    """Routed rows per token: the native flavor's (or init_from architecture's) top-k."""
+    from qwen3_research.models import resolve_flavor
+
+    return max(1, resolve_flavor(cfg.model)[1].top_k)
+
+
+def _describe_moe(module, options, cfg, device, layers: int) -> tuple[list[str], int]:
+    c = moe_cost(module, options, cfg, device, layers)
+    gib = 1024**3
+    most = c["tokens_per_call"] - 1  # + the padding row = the kernel's tokens per call
+    split = (f"split into {c['calls']} kernel calls of <= {most:,} rows (options.tokens_per_call="
+             f"{c['tokens_per_call']:,}: 'up to 32K tokens per call')" if c["calls"] > 1
+             else f"1 kernel call (<= {most:,} rows)")
+    return [
+        f"cost per micro-batch: {c['rows']:,} routed rows (batch × seq_len × top-{c['top_k']}), {split}; "
+        f"{c['blocks']} blocks × {c['block_size']} = {c['slots']:,} slots computed (padding included: "
+        f"{c['padding_factor']:.1f}× the rows)",
+        f"saved for backward: {c['saved_bytes_per_layer'] / gib:.3f} GiB per MoE layer (gate_up_activations_T + "
+        f"down_activations, bf16) × {c['held_layers']} held at once (of {c['layers']}; "
+        f"parallelism.activation_checkpoint={cfg.parallelism.activation_checkpoint}) = {c['saved_bytes'] / gib:.2f} GiB",
+    ], c["saved_bytes"]
+
+
 def _moe_check(module, options, cfg, device, where):
     """The NKI Library MoE kernels' constraints for this module (local shapes) and run."""
     lnc = _lnc(device)
-    E, I, H = _local_expert_shape(module.w1_EFD, cfg.parallelism.tp)
+    E, I, H = _local_expert_shape(module, cfg.parallelism.tp)
     B = options.get("block_size", DEFAULT_BLOCK_SIZE)
     errors, warns = [], []
     if options.get("dtype", "bfloat16") not in ("input", "bfloat16"):
         errors.append(f"{where}: options.dtype={options['dtype']!r}; the NKI Library MoE kernels compute in bfloat16 "
                       "here (drop options.dtype)")
+    limit = options.get("tokens_per_call", MAX_ROWS_PER_CALL)
+    if not isinstance(limit, int) or not 2 <= limit <= MAX_ROWS_PER_CALL:
+        errors.append(f"{where}: options.tokens_per_call={limit!r} must be an integer in 2..{MAX_ROWS_PER_CALL} "
+                      "(rows + the padding row per kernel call; the shard-on-I kernel takes 'up to 32K tokens per call')")
     if B not in MOE_BLOCK_SIZES:
         errors.append(f"{where}: options.block_size={B} is not taken by both NKI Library MoE kernels (moe_cte: a "
                       f"multiple of 256 in 256..1024; blockwise_mm_bwd: 128, 256, 512 or 1024); use one of {list(MOE_BLOCK_SIZES)}")
@@ -378,6 +530,11 @@ def _rope_check(module, options, cfg, device, where):
 
 _FIX = ("these are Trainium (NKI) kernels; on cpu/cuda use kernels=moe_fast / rope_fast "
         "(or triton_moe / triton_rope on cuda)")
+# What the wrappers import on a Neuron host (neuron_backend), and AWS's install line (Neuron 2.33,
+# setup/pytorch/update-manual; nkilib ships inside neuronx-cc since Neuron 2.27).
+_MODULES = ("torch_neuronx", "nki", "nkilib")
+_INSTALL = ('pip install "torch-neuronx==2.14.*" "neuronx-cc==2.*" nki --extra-index-url '
+            "https://pip.repos.neuron.amazonaws.com (README 'Trainium hosts')")
 
 register(KernelSpec(
     name="nki_moe",
@@ -387,9 +544,10 @@ register(KernelSpec(
     install=_install_moe,
     # blockwise_mm_bwd: "Uses LNC2 sharding" and AWS tests it at LNC=2 only (test_bwmm_bwd.py)
     requirements=Requirements(devices=("neuron",), dtypes=("float32", "bfloat16"), lncs=(2,), fix=_FIX,
-                              check=_moe_check),
+                              check=_moe_check, modules=_MODULES, install=_INSTALL),
     verify=_verify_moe,
     tolerance={"bfloat16": 2e-2},  # AWS's own test tolerance for both kernels in bf16 (rtol 2e-2)
+    cost=_describe_moe,
 ))
 register(KernelSpec(
     name="nki_rope",
@@ -398,7 +556,8 @@ register(KernelSpec(
     module_types=("CosSinRoPE",),
     install=_install_rope,
     requirements=Requirements(devices=("neuron",), dtypes=("float32", "bfloat16"), seq_multiple=lambda lnc: 128 * lnc,
-                              seq_multiple_text="128 × LNC", lncs=(1, 2), fix=_FIX, check=_rope_check),
+                              seq_multiple_text="128 × LNC", lncs=(1, 2), fix=_FIX, check=_rope_check,
+                              modules=_MODULES, install=_INSTALL),
     verify=_verify_rope,
     tolerance={"float32": 1e-5, "bfloat16": 2e-2},
 ))

@@ -9,9 +9,11 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
   (wrong class) is never matched, so a broad pattern only picks the kernel's own module type;
 * two entries claiming one module -> ``ConfigError`` naming both entries and the module;
 * an entry that matches nothing -> a warning naming the entry and its pattern;
-* unmet requirements (device type, dtype, sequence-length multiple, LNC, and the kernel's own
-  ``Requirements.check``, e.g. the NKI Library kernels' shape/dtype constraints, once the device
-  fits) -> one one-line ``ConfigError`` listing each with what to change;
+* unmet requirements (device type, dtype, sequence-length multiple, LNC, the packages the kernel
+  imports, and the kernel's own ``Requirements.check``, e.g. the NKI Library kernels' shape/dtype
+  constraints, once the device fits) -> one one-line ``ConfigError`` listing each with what to change;
+  the model-independent part is ``kernel_support``, the one check a run, ``verify_kernels`` and the
+  doctor share;
 * each matched module's class is swapped for the kernel's subclass (parameters, buffers,
   state-dict keys unchanged), so FSDP2, tensor parallel and checkpoints see the same module.
 """
@@ -45,6 +47,10 @@ class Requirements:
     lncs: tuple[int, ...] | None = None  # allowed logical-core configs (neuron)
     env: dict[str, str] = field(default_factory=dict)  # device -> env var that must be "1" there
     fix: str = ""  # what to use instead when the device does not fit
+    # Python modules the kernel imports on its device (found with importlib, nothing imported), and how
+    # to install them.
+    modules: tuple[str, ...] = ()
+    install: str = ""
     # Kernel-specific start-up checks, run on the first matched module once the device type fits:
     # (module, entry options, cfg, device, where) -> (errors, warnings); each a one-line message.
     check: Callable[..., tuple[list[str], list[str]]] | None = None
@@ -64,6 +70,17 @@ class KernelSpec:
     # Max relative error vs the float32 reference (fwd and bwd) per compute dtype; verify_kernels reads
     # exactly this (a dtype missing here fails the check).
     tolerance: dict[str, float] = field(default_factory=lambda: {"float32": 1e-5, "bfloat16": 2e-2})
+    # (first matched module, options, cfg, device, number of matched modules) -> (lines for the kernel
+    # plan, bytes the kernel keeps for backward on one rank): what it costs beyond the module it replaces.
+    cost: Callable[..., tuple[list[str], int]] | None = None
+
+
+class KernelPlan(dict):
+    """Entry label -> matched module FQNs (what ``apply_overrides`` returns), with the printed ``text`` and
+    ``saved_bytes``: per entry, what its kernel keeps for backward on this rank (``KernelSpec.cost``)."""
+
+    text: str = ""
+    saved_bytes: dict = {}
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -102,11 +119,101 @@ def _where(option: str | None, entry_name: str) -> str:
     return f"kernels={option}" if option else f"kernels entry '{entry_name}'"
 
 
+# -- planning a device that is not here --------------------------------------------------------
+# ``qwen3_research.plan`` traces a run on fake CPU tensors. For a run planned for another device
+# (device=neuron on a host without it) the requirement checks must see that device, and a kernel
+# that only exists there installs its shape-only form (``KernelSpec.install`` gets ``device.planning``).
+_PLANNED: dict = {}
+
+
+class planning_for:
+    """Context: kernel checks and installs see device ``device_type`` (LNC ``lnc``) while tensors stay on
+    the tracing device. Used by qwen3_research.plan only; nothing runs on ``device_type``."""
+
+    def __init__(self, device_type: str, lnc: int | None):
+        self.device_type, self.lnc = device_type, lnc
+
+    def __enter__(self):
+        _PLANNED.update(type=self.device_type, lnc=self.lnc)
+        return self
+
+    def __exit__(self, *exc):
+        _PLANNED.clear()
+
+
+def _effective(device):
+    if not _PLANNED:
+        return device
+    from types import SimpleNamespace
+
+    return SimpleNamespace(type=_PLANNED["type"], lnc=_PLANNED["lnc"] or getattr(device, "lnc", None),
+                           torch_device=getattr(device, "torch_device", None), planning=True)
+
+
+def kernel_support(entries, device_type: str, lnc: int | None = None, option: str | None = None) -> list[str]:
+    """Why ``entries`` (a conf/kernels option's entries) cannot run on ``device_type`` here: one line each,
+    empty when they can (the model's own shape checks come at start-up, in ``resolve``). The check a
+    run makes (``resolve``), ``verify_kernels`` makes first, and the doctor shows per option."""
+    _load_kernels()
+    out = []
+    for entry in entries:
+        spec = KERNELS.get(entry.name)
+        where = _where(option, entry.name)
+        if spec is None:
+            out.append(f"{where}: unknown kernel '{entry.name}'; known kernels: {sorted(KERNELS)}")
+            continue
+        out += _static_problems(spec, where, device_type, lnc)
+    return list(dict.fromkeys(out))
+
+
+def _static_problems(spec, where: str, device_type: str, lnc: int | None, planning: bool = False) -> list[str]:
+    """What does not depend on the model: device type, environment variable, LNC, importable modules."""
+    import importlib.util
+
+    req = spec.requirements
+    out = []
+    if device_type not in req.devices:
+        fix = f"; {req.fix}" if req.fix else ""
+        out.append(
+            f"{where} needs device {' or '.join(req.devices)} (kernel {spec.name}); this run's device is "
+            f"{device_type}{fix}"
+        )
+        return out
+    var = req.env.get(device_type)
+    if var and os.environ.get(var) != "1":
+        out.append(
+            f"{where}: kernel {spec.name} runs on {device_type} only under {var}=1 (slow, for tests); "
+            f"set {var}=1 or use {req.fix or 'another kernels option'}"
+        )
+    if req.lncs is not None and device_type == "neuron" and lnc not in req.lncs:
+        out.append(
+            f"{where} needs LNC in {list(req.lncs)} (NEURON_LOGICAL_NC_CONFIG or device.lnc); got {lnc}"
+        )
+    missing = [] if planning else [m for m in req.modules if _find_spec(importlib.util, m) is None]
+    if missing:
+        how = f": {req.install}" if req.install else ""
+        out.append(f"{where}: kernel {spec.name} imports {', '.join(missing)}, not installed here{how}")
+    return out
+
+
+def _find_spec(util, name: str):
+    try:
+        return util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
 def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
     """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match)."""
     _load_kernels()
+    device = _effective(device)
     kc = cfg.kernels
     option = getattr(kc, "option", None)
+    # torchtitan 0.2.x has no RoPE module: the adapter adds one when a RoPE kernel is asked for.
+    from qwen3_research import titan
+
+    titan.prepare_kernel_targets(model, rope=any(
+        "CosSinRoPE" in KERNELS[e.name].module_types for e in kc.entries if e.name in KERNELS))
     modules = [(fqn, m) for fqn, m in model.named_modules() if fqn]
     plan: dict[str, list[str]] = {}
     owner: dict[str, str] = {}
@@ -149,19 +256,8 @@ def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
 def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> list[str]:
     req = spec.requirements
     where = _where(option, entry.name)
-    out = []
-    if device.type not in req.devices:
-        fix = f"; {req.fix}" if req.fix else ""
-        out.append(
-            f"{where} needs device {' or '.join(req.devices)} (kernel {spec.name}); this run's device is "
-            f"{device.type}{fix}"
-        )
-    var = req.env.get(device.type)
-    if var and os.environ.get(var) != "1":
-        out.append(
-            f"{where}: kernel {spec.name} runs on {device.type} only under {var}=1 (slow, for tests); "
-            f"set {var}=1 or use {req.fix or 'another kernels option'}"
-        )
+    lnc = getattr(device, "lnc", None)
+    out = _static_problems(spec, where, device.type, lnc, planning=getattr(device, "planning", False))
     for fqn in matched:
         dtypes = {str(p.dtype).replace("torch.", "") for p in modules[fqn].parameters(recurse=True)}
         bad = dtypes - set(req.dtypes)
@@ -171,11 +267,6 @@ def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> l
                 f"{sorted(bad)}"
             )
             break
-    lnc = getattr(device, "lnc", None)
-    if req.lncs is not None and device.type == "neuron" and lnc not in req.lncs:
-        out.append(
-            f"{where} needs LNC in {list(req.lncs)} (NEURON_LOGICAL_NC_CONFIG or device.lnc); got {lnc}"
-        )
     if req.check is not None and device.type in req.devices:
         errors, warns = req.check(modules[matched[0]], dict(entry.options or {}), cfg, device, where)
         out += errors
@@ -192,27 +283,40 @@ def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> l
     return out
 
 
-def format_plan(plan: dict[str, list[str]], cfg) -> str:
+def format_plan(plan: dict[str, list[str]], cfg, model: nn.Module | None = None, device=None) -> str:
+    """The plan as printed at start-up; with ``model``, each kernel's own cost lines (``KernelSpec.cost``)."""
+    return _plan_text_and_costs(plan, cfg, model, device)[0]
+
+
+def _plan_text_and_costs(plan, cfg, model, device) -> tuple[str, dict]:
     option = getattr(cfg.kernels, "option", None) or "custom"
     entries = dict(entry_labels(cfg.kernels.entries))
+    mods = dict(model.named_modules()) if model is not None else {}
+    saved = {}
     lines = [f"kernel plan (kernels={option}): {sum(len(v) for v in plan.values())} module(s) overridden"]
     for label, fqns in plan.items():
-        target = entries[label].target if label in entries else "?"
+        entry = entries.get(label)
+        target = entry.target if entry is not None else "?"
         lines.append(f"  {label} [{target}] -> {len(fqns)} module(s)" + (":" if fqns else " (no match)"))
         for fqn in fqns:
             lines.append(f"    {fqn}")
-    return "\n".join(lines)
+        spec = KERNELS.get(entry.name) if entry is not None else None
+        if fqns and mods and spec is not None and spec.cost is not None:
+            text, saved[label] = spec.cost(mods[fqns[0]], dict(entry.options or {}), cfg, _effective(device), len(fqns))
+            lines += [f"    {line}" for line in text]
+    return "\n".join(lines), saved
 
 
-def apply_overrides(model: nn.Module, cfg, device) -> dict[str, list[str]]:
+def apply_overrides(model: nn.Module, cfg, device) -> KernelPlan:
     """Resolve, check, install; print and log the plan; verify if ``kernels.verify``. Before sharding."""
-    plan = resolve(model, cfg, device)
+    plan = KernelPlan(resolve(model, cfg, device))
     mods = dict(model.named_modules())
     for label, entry in entry_labels(cfg.kernels.entries):
         spec = KERNELS[entry.name]
         for fqn in plan.get(label, []):
-            spec.install(mods[fqn], dict(entry.options or {}), device)
-    text = format_plan(plan, cfg)
+            spec.install(mods[fqn], dict(entry.options or {}), _effective(device))
+    text, plan.saved_bytes = _plan_text_and_costs(plan, cfg, model, device)
+    plan.text = text
     if int(os.environ.get("RANK", "0")) == 0:
         print(text, flush=True)
     log.info(text)

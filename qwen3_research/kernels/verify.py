@@ -60,9 +60,10 @@ def verify_moe(module, shapes: dict, device, options: dict, *, op, default_optio
                compute_dtype: torch.dtype | None = None) -> list[tuple]:
     """Checks as (shapes, fwd_abs, fwd_rel, bwd_abs, bwd_rel, compute dtype name). ``compute_dtype``: the
     dtype the kernel computes in when it is fixed by the kernel (NKI MoE: bfloat16), else options.dtype."""
+    from qwen3_research import titan
     from qwen3_research.kernels.moe import _DTYPES, moe_reference
 
-    E, Fh, D = _local(module.w1_EFD).shape
+    E, Fh, D = _local(titan.expert_weights(module)[0]).shape
     gen = torch.Generator().manual_seed(shapes.get("seed", 0))
     counts = random_routing(shapes["tokens"], E, shapes["top_k"], gen)
     R = int(counts.sum())

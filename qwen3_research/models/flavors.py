@@ -45,6 +45,12 @@ MOE = {
                    num_experts=8, top_k=2, tie_embeddings=False),
     "debug": Flavor(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=128,
                     num_experts=64, top_k=8, tie_embeddings=False),
+    # The smallest MoE the NKI Library MoE kernels take (kernels=nki_moe on one Trainium rank): hidden 1024
+    # (moe_cte: 512..8192, a multiple of 512; H/LNC=512 a multiple of 32 for blockwise_mm_bwd), expert width
+    # 512 (I % 16 == 0, I/LNC = 256 a multiple of 32), 8 experts (E % LNC == 0; inside moe_cte's documented
+    # 8..64), head_dim 128 (even, for rope_hf). Checked in code: tests/test_nki_contract.py.
+    "nki_debug": Flavor(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=128, hidden_dim=512,
+                        num_experts=8, top_k=2, tie_embeddings=False),
     "30B-A3B": Flavor(2048, 48, 32, 4, 128, 768, num_experts=128, top_k=8, max_seq_len=40960,
                       tie_embeddings=False, torchtitan_name="30B-A3B"),
     "235B-A22B": Flavor(4096, 94, 64, 4, 128, 1536, num_experts=128, top_k=8, rope_theta=5_000_000.0,

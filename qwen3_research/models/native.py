@@ -56,6 +56,9 @@ class NativeQwen3(ModelBackend):
         self.init_from = init_from
         with torch.device("meta"):
             self.model = titan.build_model(self.model_config)
+        # TorchNeuron's grouped matmul takes token groups in multiples of 128 only: the experts pad on
+        # neuron (a kernel override on the experts replaces this forward).
+        titan.align_token_groups(self.model, device.type)
         self.num_params, self.flops_per_token = titan.nparams_and_flops(self.model_config, self.model, seq_len)
         self.is_moe = self.flavor.num_experts > 0
         self._initialized = False
