@@ -12,16 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
+    from qwen3_research import startup
 
-def _stopped_while_importing(signum, frame):  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line
-    print(f"interrupted by {signal.Signals(signum).name} before training started; nothing was written",
-          file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _stopped_while_importing)
-    signal.signal(signal.SIGTERM, _stopped_while_importing)
+    startup.exit_at_once_while_importing("before training started; nothing was written")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
@@ -63,6 +57,40 @@ def _split_argv(argv: list[str]) -> tuple[list[str], set[str]]:
         else:
             overrides.append(a)
     return overrides, flags
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """Every override is key=value (or ~key) in Hydra's grammar; else one line naming it, and the quoting
+    that makes a value with spaces, parentheses, brackets, commas or quotes parse (a path, usually)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for i, o in enumerate(overrides):
+        key, eq, value = o.partition("=")
+        if not eq and not o.startswith("~"):
+            prev = overrides[i - 1] if i else ""
+            split = prev.partition("=")
+            hint = (f"; if it is the rest of {split[0]}'s value (the shell splits at spaces), quote the whole "
+                    f"override: {_quoted(split[0], split[2] + ' ' + o)}") if split[1] else ""
+            _die(f"config error: {o!r} is not an override; write key=value (e.g. training.steps=10) or group=option "
+                 f"(e.g. model=native_moe); list them with --help{hint}")
+        try:
+            parser.parse_overrides([o])
+        except Exception as e:  # noqa: BLE001 - Hydra's OverrideParseException, or a lexer error inside it
+            why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            _die(f"config error: {key}: Hydra cannot parse the value {value!r} ({why}); quote it: {_quoted(key, value)}")
+
+
+def _quoted(key: str, value: str) -> str:
+    """``key="value"`` for Hydra (a double-quoted string; " escaped), quoted once more for the shell."""
+    import shlex
+
+    inner = value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+    escaped = inner.replace('"', '\\"')
+    word = f'{key}="{escaped}"'
+    if "'" not in word:
+        return shlex.quote(word)
+    return '"' + "".join("\\" + c if c in '\\"$`' else c for c in word) + '"'  # the shell's double quotes
 
 
 def preflight_overrides(overrides: list[str]) -> None:
@@ -124,10 +152,6 @@ def preflight(overrides: list[str]) -> None:
     from qwen3_research.config import to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
-    words = [o for o in overrides if "=" not in o and not o.startswith("~")]
-    if words:
-        _die(f"config error: {words[0]!r} is not an override; write key=value (e.g. training.steps=10) or "
-             "group=option (e.g. model=native_moe); list them with --help")
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
@@ -135,6 +159,7 @@ def preflight(overrides: list[str]) -> None:
         _die(format_compose_error(e))
     try:
         rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
+        _quiet_c10d_retries(rc)
         from qwen3_research.device import prepare_launch
 
         prepare_launch(rc)  # LNC conflicts, nproc_per_node=-1 (auto)
@@ -144,6 +169,19 @@ def preflight(overrides: list[str]) -> None:
         _check_run_dir(rc, degrees, overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
+
+
+def _quiet_c10d_retries(rc) -> None:
+    """A multi-node launcher waits for the other nodes at parallelism.rdzv_endpoint, and torch's TCPStore logs
+    every failed try from C++ with a stack of frames (~100-200 lines for an unreachable endpoint) before
+    launch reports the failed rendezvous in one line. c10 reads TORCH_CPP_LOG_LEVEL once, when torch loads:
+    it is set while this process imports torch, then removed, so the workers start with the user's level."""
+    if rc.parallelism.nnodes > 1 and "torch" not in sys.modules and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        try:
+            import torch  # noqa: F401
+        finally:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
@@ -165,11 +203,20 @@ def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
             run_dir = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra.run.dir
     except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.run checks later
         return
+    run_dir = Path(os.path.abspath(str(run_dir)))
     try:
-        check_run_dir(rc, Path(os.path.abspath(str(run_dir))), dp=degrees.dp, batch_size=resolve_batch_size(rc, degrees.dp))
+        check_run_dir(rc, run_dir, dp=degrees.dp, batch_size=resolve_batch_size(rc, degrees.dp))
     except AlreadyComplete as done:
         print(str(done), flush=True)
         sys.exit(0)
+    from qwen3_research.errors import check_writable
+
+    check_writable(f"hydra.run.dir={run_dir}", run_dir)  # Hydra's first write there was a traceback
+    if rc.checkpoint.enable or rc.checkpoint.resume:
+        from qwen3_research.rundir import checkpoint_root
+
+        root = checkpoint_root(rc, run_dir)
+        check_writable(f"checkpoint.dir={root}", root)
 
 
 def _die(message: str) -> None:
@@ -200,10 +247,12 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
-    from qwen3_research.errors import TrainingError, WorkerGroupError
+    from qwen3_research.errors import ExportError, TrainingError, WorkerGroupError
     from qwen3_research.launch import run
     from qwen3_research.signals import Interrupted, Terminated, signal_number
+    from qwen3_research.startup import quiet_libraries
 
+    quiet_libraries()  # after Hydra configured this job's logging
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()
     multirun = hc.mode.name == "MULTIRUN"
@@ -245,7 +294,7 @@ def _task(cfg: DictConfig):
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")
-        if isinstance(e, (WorkerGroupError, TrainingError)):
+        if isinstance(e, (WorkerGroupError, TrainingError, ExportError)):  # ExportError: checkpoint.export_hf=true
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
         raise
@@ -275,6 +324,7 @@ def main() -> None:
 def _main() -> None:
     overrides, flags = _split_argv(sys.argv[1:])
     passthrough = bool(flags)
+    check_override_syntax(overrides)
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
         from qwen3_research.slurm import preflight as slurm_preflight
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from qwen3_research.config import RunConfig
-from qwen3_research.errors import ConfigError, TrainingError
+from qwen3_research.errors import ConfigError, TrainingError, write_failure
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -418,16 +418,14 @@ class Checkpointer:
         try:
             self._write(step, tmp, final)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, permissions, any rank's DCP error
-            free = shutil.disk_usage(self.root).free  # before the partial save is removed
+            why, fix = write_failure(e, self.root, "checkpoint.dir")  # before the partial save is removed
             if t.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = list_checkpoints(self.root)
-            # torch's zip writer reports a full disk as an opaque position mismatch: say what it is.
-            why = f"No space left on device: {free / 2**20:.1f} MiB free" if free < 64 * 2**20 else _first_line(e)
             raise TrainingError(
                 f"checkpoint: cannot save step {step} to {self.root} ({why}); "
                 f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
-                "free space or point checkpoint.dir elsewhere, then resume with checkpoint.resume=auto"
+                f"{fix}, then resume with checkpoint.resume=auto"
             ) from None
         if t.is_main:
             self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
@@ -492,6 +490,32 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def _same_base_model(resume: str, found: Path, saved: str | None, now: str | None) -> None:
+    """A resume continues the checkpoint's weights, and the run's recorded config (``.hydra/``, W&B,
+    ``meta.json``) must keep naming the base model they came from: another ``model.init_from`` is refused,
+    unless the recorded directory is gone (the base model moved), which is said once."""
+    def real(p):
+        return os.path.realpath(os.path.expanduser(p)) if p else None
+
+    if saved == now or real(saved) == real(now):
+        return
+    if saved and now and not os.path.isdir(os.path.expanduser(saved)):
+        line = (f"note: checkpoint.resume={resume}: the checkpoint's base model model.init_from={saved!r} is gone; "
+                f"continuing with model.init_from={now!r} (checked against the checkpoint's tensors), which the run's "
+                "config now records")
+        if line not in _WARNED:
+            _WARNED.add(line)
+            print(line, file=sys.stderr, flush=True)
+        return
+    was = f"model.init_from={saved!r}" if saved else "no model.init_from"
+    raise ConfigError(
+        f"checkpoint.resume={resume}: {found} was trained from {was}, but this run sets "
+        f"{'model.init_from=' + repr(now) if now else 'none'}; a resume continues the checkpoint's weights, so "
+        f"resume with {'model.init_from=' + saved if saved else 'model.init_from unset'}, or start a new run "
+        "(another hydra.run.dir) from the other base model"
+    )
+
+
 def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target and init_from config."""
     ck = rc.checkpoint
@@ -507,6 +531,7 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                     f"checkpoint.resume={ck.resume}: {found} holds another model shape (saved with model "
                     f"{', '.join(differ)}); resume with the same model settings, or use another checkpoint.dir"
                 )
+            _same_base_model(ck.resume, found, saved.get("init_from"), rc.model.init_from)
     if rc.model.init_from and rc.model.backend != "hf":
         from qwen3_research.hf_interop.preflight import check_init_from
 

@@ -92,20 +92,43 @@ def _read_overrides(run_dir: Path) -> dict[str, str]:
     return out
 
 
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """metrics.jsonl's records, and what is wrong with the file (None: nothing). A last line that is not JSON
+    was cut short by a killed run and is left out; any other line must be a UTF-8 JSON object with a step."""
+    lines = path.read_bytes().splitlines()
+    rows = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return rows, f"{path} line {i + 1} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # cut by a kill
+            return rows, f"{path} line {i + 1} is not JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            return rows, f"{path} line {i + 1} is not a metrics record (a JSON object with an integer step)"
+        rows.append(row)
+    return rows, None
+
+
 def load_run(run_dir: Path) -> RunRecord:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    rows = []
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut by a killed run
+    rows, problem = read_metrics(metrics) if metrics.is_file() else ([], None)
     status = summary.get("status") or ("running or killed" if rows else "no result")
-    return RunRecord(run_dir, run_dir.name, _read_overrides(run_dir), status, summary.get("reason", ""), rows, summary)
+    reason = summary.get("reason", "")
+    last = max((r["step"] for r in rows), default=0)  # the last step is always logged
+    if problem is None and status == "ok" and isinstance(summary.get("steps"), int) and last < summary["steps"]:
+        problem = (f"{metrics} ends at step {last} but summary.json has {summary['steps']} steps (a truncated or "
+                   "replaced file): its last loss is not the run's final loss")
+    if problem is not None:  # never "ok" beside numbers the file cannot back
+        print(f"warning: {problem}; {run_dir.name} is reported as unreadable", file=sys.stderr, flush=True)
+        status, reason = "unreadable", problem
+    return RunRecord(run_dir, run_dir.name, _read_overrides(run_dir), status, reason, rows, summary)
 
 
 def find_runs(paths: list[Path]) -> list[RunRecord]:
@@ -196,6 +219,8 @@ def plot(runs: list[RunRecord], out_dir: Path) -> list[Path]:
 
     ok = [r for r in runs if r.train_rows]
     labels = [" ".join(f"{k.split('.')[-1]}={r.overrides.get(k, '')}" for k in swept_keys(runs)) or r.name for r in ok]
+    # A run's label can be all its overrides (paths included): too long for the axis, tight_layout gives up with a warning.
+    labels = [lb if len(lb) <= 48 else lb[:47] + "…" for lb in labels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     ax1.bar(range(len(ok)), [r.tokens_per_s() or 0 for r in ok], color="tab:blue")
     ax1.set_ylabel("tokens/s (median of steady steps)")
@@ -242,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", type=Path, help="a sweep directory, or run directories")
     ap.add_argument("--out", type=Path, default=None, help="where to write the report (default: the sweep dir, or ./comparison)")
     args = ap.parse_args(argv)
+    from qwen3_research.startup import quiet_libraries
+
+    quiet_libraries()  # matplotlib's warnings as one line each
     missing = [str(p) for p in args.paths if not p.is_dir()]
     if missing:
         print(f"compare: not a directory: {', '.join(missing)}", file=sys.stderr)

@@ -7,9 +7,13 @@ unknown key or a wrong type fails at compose time with the key's path. Value che
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
+import math
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -209,14 +213,16 @@ def to_run_config(cfg: dict | DictConfig) -> RunConfig:
     """Merge a composed (or resolved) config onto the schema; a key or type error becomes one line."""
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    cfg = resolve_auto_settings({k: v for k, v in cfg.items() if k != "hydra"})
-    try:
+    try:  # resolving can fail too: an interpolation loop (training.steps=${training.steps}), a missing key
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        cfg = resolve_auto_settings({k: v for k, v in cfg.items() if k != "hydra"})
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+        if msg.startswith("Recursive interpolation"):
+            msg += f" (a ${{...}} loop back to {key}); give {key} a value"
         raise ConfigError(f"{key}: {msg}") from None
 
 
@@ -263,6 +269,52 @@ def _choice(path: str, value: Any, allowed) -> None:
         raise ConfigError(f"{path}={value!r} is not one of {sorted(allowed)}")
 
 
+def _non_finite(node: Any, path: str) -> str | None:
+    """``key=value`` of the first NaN or ±inf float anywhere under ``node`` (dataclass fields, lists, dicts)."""
+    if isinstance(node, float):
+        return None if math.isfinite(node) else f"{path}={node}"
+    if dataclasses.is_dataclass(node):
+        items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+    elif isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return None
+    for key, value in items:
+        sub = f"{path}{key}" if str(key).startswith("[") else f"{path}.{key}" if path else str(key)
+        found = _non_finite(value, sub)
+        if found:
+            return found
+    return None
+
+
+# 2**63 - 1: what torch (manual_seed), numpy (SeedSequence) and JSON/W&B (int64) all take.
+SEED_MAX = 2**63 - 1
+FAULT = re.compile(r"^(raise|nan|kill)@[1-9][0-9]*(:rank[0-9]+)?$")
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # W&B refuses these in a project name (wandb.sdk.wandb_settings.validate_project)
+
+
+def data_files(pattern: str) -> list[str]:
+    """The files ``data.files`` matches, sorted. None, or one that is not a regular file, is a ConfigError:
+    reading a FIFO blocks until something writes to it (the run hung with no output), and a directory,
+    socket or device holds no documents."""
+    files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    if not files:
+        raise ConfigError(f"data.files={pattern!r} matches no file; check the path (relative to {os.getcwd()})")
+    for f in files:
+        try:
+            mode = os.stat(f).st_mode
+        except OSError as e:  # a dangling symlink
+            raise ConfigError(f"data.files={pattern!r} matches {f}, which cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "a device")
+            raise ConfigError(f"data.files={pattern!r} matches {f}, which is {kind}, not a regular file; narrow the "
+                              "glob to the .txt/.jsonl files (e.g. 'corpus/*.txt')")
+    return files
+
+
 def _positive(path: str, value, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -280,6 +332,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
     from qwen3_research.models.flavors import flavors_for  # light import: no torch
 
+    # One rule for every number: NaN and inf pass the comparisons below (nan <= 0 is False) and then fail
+    # deep in a run, or not at all (weight_decay=nan trained into NaN weights). No key takes inf.
+    bad = _non_finite(cfg, "")
+    if bad:
+        raise ConfigError(f"{bad} is not a finite number; every numeric key needs one (no nan or inf)")
     m = cfg.model
     _choice("model.backend", m.backend, {"native", "native_moe", "hf"})
     _choice("model.attention", m.attention, {"sdpa", "flex"})
@@ -325,11 +382,13 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError(f"data.batch_size must be >= 1, got {d.batch_size}")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    for key, value in (("data.max_documents", d.max_documents), ("data.hf.max_documents", d.hf.max_documents)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be >= 1 (or null: every document), got {value}")
     if d.source == "files":
         if not d.files:
             raise ConfigError("data.files is required with data=files: a glob such as 'corpus/*.txt'")
-        if not glob.glob(os.path.expanduser(d.files), recursive=True):
-            raise ConfigError(f"data.files={d.files!r} matches no file; check the path (relative to {os.getcwd()})")
+        data_files(d.files)
     if d.source == "hf" and not d.hf.name:
         raise ConfigError("data.hf.name is required with data=hf: a datasets Hub id or local path")
 
@@ -343,9 +402,20 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, {"offline", "online", "disabled"})
+    project = cfg.logging.wandb.project
+    forbidden = sorted({c for c in project if c in WANDB_PROJECT_FORBIDDEN})
+    if not project or len(project) > 128 or forbidden:
+        raise ConfigError(f"logging.wandb.project={project!r}: a W&B project name has 1-128 characters and none of "
+                          f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(forbidden)})" if forbidden else "")
+                          + "; e.g. logging.wandb.project=qwen3_research")
 
     t = cfg.training
     _positive("training.steps", t.steps)
+    if not 0 <= t.seed <= SEED_MAX:
+        raise ConfigError(f"training.seed must be in [0, {SEED_MAX}] (0 … 2**63 - 1), got {t.seed}")
+    if t.fault is not None and not FAULT.match(t.fault):
+        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill "
+                          "(e.g. nan@2); it is a test hook: leave it unset")
     _positive("training.log_every", t.log_every)
     _positive("training.eval_every", t.eval_every, allow_zero=True)
     _positive("training.eval_batches", t.eval_batches)

@@ -7,7 +7,6 @@ document and does not depend on the training seed; the training order does.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import importlib.util
 import json
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qwen3_research.config import ConfigError, DataConfig
+from qwen3_research.config import ConfigError, DataConfig, data_files
 
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 EOS_TOKEN = "<|endoftext|>"
@@ -105,10 +104,19 @@ def embedded_documents() -> list[tuple[str, str]]:
     return [(str(f.relative_to(root)), f.read_text(encoding="utf-8")) for f in files]
 
 
+def _text(value, key: str, where: str) -> str:
+    """A document's text must be a string: str() would train on "None", "12345" or "['a', 'b']"."""
+    if isinstance(value, str):
+        return value
+    kind = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+    shown = "" if value is None else f" ({json.dumps(value, default=str)[:40]})"
+    raise ConfigError(f"{key}: {where} is {kind}{shown}, not a string; fix or remove that record (an empty string "
+                      "is skipped)")
+
+
 def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
-    files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-    if not files:
-        raise ConfigError(f"data.files={pattern!r} matches no file")
+    files = data_files(pattern)  # regular files only: a FIFO would block this read forever
     docs = []
     for f in files:
         try:
@@ -124,7 +132,8 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
                                 raise ConfigError(f"data.files: {f} line {i + 1} is not a JSON object")
                             if text_field not in row:
                                 raise ConfigError(f"data.text_field={text_field!r} missing in {f} line {i + 1}")
-                            docs.append((f"{f}:{i}", str(row[text_field])))
+                            text = _text(row[text_field], f"data.text_field={text_field!r}", f"{f} line {i + 1}")
+                            docs.append((f"{f}:{i}", text))
             else:
                 docs.append((f, Path(f).read_text(encoding="utf-8")))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -145,7 +154,8 @@ def hf_documents(cfg) -> list[tuple[str, str]]:
             break
         if cfg.text_field not in row:
             raise ConfigError(f"data.hf.text_field={cfg.text_field!r} not in dataset columns {sorted(row)}")
-        docs.append((f"{cfg.name}:{i}", str(row[cfg.text_field])))
+        docs.append((f"{cfg.name}:{i}", _text(row[cfg.text_field], f"data.hf.text_field={cfg.text_field!r}",
+                                              f"{cfg.name} row {i}")))
     return docs
 
 
@@ -225,6 +235,12 @@ class PackedDataset:
         self.val = _pack([a for i, a in enumerate(arrays) if i in val_ids], tokenizer.eos_id, window)
         if len(self.train) == 0:
             total = int(sum(len(a) for a in arrays))
+            held = int(sum(len(a) for i, a in enumerate(arrays) if i in val_ids))
+            if held and total - held + (len(arrays) - n_val) < window <= total + len(arrays):
+                raise ConfigError(
+                    f"data.val_fraction={cfg.val_fraction} holds out {n_val} of {len(docs)} documents ({held} of {total} "
+                    f"tokens), leaving no training sample of data.seq_len+1={window} tokens; lower data.val_fraction"
+                )
             raise ConfigError(
                 f"data: {total} tokens make no training sample of data.seq_len+1={window} tokens; "
                 "lower data.seq_len or add text"

@@ -213,6 +213,23 @@ def neuron_available() -> bool:
     return hasattr(torch, "neuron")
 
 
+def cuda_unavailable_reason(env=None) -> str:
+    """Why ``torch.cuda.is_available()`` is False here, and the fix: a CPU-only torch, a CUDA_VISIBLE_DEVICES
+    that hides every GPU, or no GPU the driver can see."""
+    env = os.environ if env is None else env
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build: install a CUDA build of torch on a GPU host, or use device=cpu"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):  # CUDA stops at the first invalid entry
+            return (f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU (it takes GPU indices or GPU-/MIG- UUIDs, "
+                    "e.g. 0,1): unset it or fix it, or use device=cpu")
+        return (f"CUDA_VISIBLE_DEVICES={visible!r} selects no GPU the CUDA driver finds: check `nvidia-smi -L`, "
+                "unset it, or use device=cpu")
+    return "the CUDA driver finds no GPU on this host: check `nvidia-smi`, or use device=cpu"
+
+
 def resolve_device_type(requested: str) -> str:
     """auto -> neuron if TorchNeuron imports, else cuda if available, else cpu."""
     if requested == "auto":
@@ -226,7 +243,7 @@ def resolve_device_type(requested: str) -> str:
             "README 'Trainium hosts'"
         )
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device.type=cuda but torch.cuda.is_available() is False; use device=cpu or device=auto")
+        raise ConfigError(f"device.type=cuda but torch.cuda.is_available() is False: {cuda_unavailable_reason()}")
     return requested
 
 

@@ -167,7 +167,7 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     elif kind == "cuda" and not torch.cuda.is_available():
         device_ok = False
         rows.append(Row("device", f"{requested} -> cuda: torch.cuda.is_available() is False", "MISSING",
-                        "use device=cpu, or install a CUDA build of torch on a GPU host"))
+                        devices.cuda_unavailable_reason()))
     else:
         found = {"cpu": f"cpu ({os.cpu_count()} cores)", "neuron": "neuron (torch_neuronx importable)",
                  "cuda": f"cuda: {torch.cuda.get_device_name(0) if kind == 'cuda' else ''}"}[kind]

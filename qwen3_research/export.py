@@ -1,13 +1,16 @@
 """``python -m qwen3_research.export``: a saved DCP checkpoint -> a verified Hugging Face directory.
 
-    python -m qwen3_research.export <checkpoint dir> <out_dir> [--max-shard-size 5GB] [--force]
+    python -m qwen3_research.export <checkpoint dir> <out_dir> [--max-shard-size 5GB] [--force] [--init-from DIR]
 
 The model is rebuilt from the checkpoint's run config (an init_from model's architecture from its
-config.json), its weights read from any saved layout, then written, verified and published by
-``qwen3_research.hf_interop.export`` (sharded safetensors + index, config.json, tokenizer files;
-moved into place only when transformers reloads it with no missing/unexpected keys and matching
-logits). The report lands in ``out_dir/export_verification.json``. At the end of a run,
-``checkpoint.export_hf=true`` does the same from the trainer's (sharded) model into ``<run dir>/hf``.
+config.json; ``--init-from`` names that directory when it has moved since training), its weights read
+from any saved layout, then written, verified and published by ``qwen3_research.hf_interop.export``
+(sharded safetensors + index, config.json, tokenizer files; moved into place only when transformers
+reloads it with no missing/unexpected keys and matching logits). The report lands in
+``out_dir/export_verification.json``; the command names the step it exported. On any failure (a
+failed check, a full disk, Ctrl-C) nothing is left behind and an earlier out_dir is untouched. At the
+end of a run, ``checkpoint.export_hf=true`` does the same from the trainer's (sharded) model into
+``<run dir>/hf``.
 """
 
 from __future__ import annotations
@@ -15,20 +18,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while torch imports: 128+signal, one line
+    from qwen3_research import startup
 
-from qwen3_research.errors import ConfigError, ExportError
+    startup.exit_at_once_while_importing("before the export started; nothing was written")
+
+import torch  # noqa: E402
+
+from qwen3_research.errors import ConfigError, ExportError, check_writable, root_cause  # noqa: E402
 
 
 # -- the command ----------------------------------------------------------------------------
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", force: bool = False) -> dict:
+def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", force: bool = False,
+                      init_from: str | None = None) -> dict:
     """One process, any saved layout: rebuild the model from the checkpoint's config, load it, export."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from qwen3_research import device as devices
     from qwen3_research.checkpoint import _first_line, check_model_matches, find_checkpoint, model_tensors, read_meta
@@ -38,7 +49,16 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     out = Path(os.path.expanduser(out_dir)).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"out_dir {out} exists and is not empty; choose a new directory or pass --force")
-    rc = to_run_config(read_meta(path)["config"])
+    check_writable(f"out_dir {out}", out)
+    try:
+        meta = read_meta(path)
+    except ConfigError:
+        _still_there(path)
+        raise
+    step = meta.get("step")
+    rc = to_run_config(meta["config"])
+    _use_init_from(rc, path, init_from)
+    print(f"export: step {step} of {path} -> {out}", flush=True)
     devices.prepare_torchtitan("cpu")
     from qwen3_research import models
     from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
@@ -50,11 +70,18 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     if hasattr(backend, "materialize"):
         backend.materialize()
     tensors = model_tensors(backend.model)
-    check_model_matches(path, tensors, what="checkpoint")
     try:
-        dcp.load({"model": tensors}, checkpoint_id=str(path))  # in place, from any saved layout
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"checkpoint {path}: cannot read the model weights ({_first_line(e)})") from None
+        check_model_matches(path, tensors, what="checkpoint")
+        try:
+            dcp.load({"model": tensors}, checkpoint_id=str(path))  # in place, from any saved layout
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a rank's error, Ctrl-C too
+            cause = root_cause(e)
+            if not isinstance(cause, Exception):  # Ctrl-C or SIGTERM inside DCP's read: unwind as that signal
+                raise cause from None
+            raise ConfigError(f"checkpoint {path}: cannot read the model weights ({_first_line(e)})") from None
+    except ConfigError:
+        _still_there(path)  # the weights are read once: from here on the directory may go
+        raise
     from qwen3_research.hf_interop import export as hf_export
 
     try:
@@ -65,29 +92,82 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     with torch.no_grad():
         logits = backend.forward(inputs).float()
     if hasattr(backend, "flavor"):
-        return hf_export.export_native(backend, out, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
-                                       reference_logits=logits, compute_dtype=hf_export.compute_dtype(rc, backend),
-                                       max_shard_size=max_shard_size)
-    return hf_export.export_hf_backend(backend, out, tokenizer_json=tokenizer.path, inputs=inputs,
-                                       reference_logits=logits, max_shard_size=max_shard_size)
+        report = hf_export.export_native(backend, out, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id,
+                                         inputs=inputs, reference_logits=logits,
+                                         compute_dtype=hf_export.compute_dtype(rc, backend), max_shard_size=max_shard_size)
+    else:
+        report = hf_export.export_hf_backend(backend, out, tokenizer_json=tokenizer.path, inputs=inputs,
+                                             reference_logits=logits, max_shard_size=max_shard_size)
+    return {**report, "step": step, "checkpoint": str(path)}
+
+
+def _use_init_from(rc, path: Path, init_from: str | None) -> None:
+    """The base model directory the architecture (config.json) and tokenizer come from: ``--init-from`` when
+    given, else the one recorded at training time, which must still exist."""
+    recorded = rc.model.init_from
+    if init_from is not None:
+        if rc.model.backend == "hf" or not recorded:
+            raise ConfigError(f"--init-from: checkpoint {path} was not trained from model.init_from (model="
+                              f"{rc.model.backend}); export it without --init-from")
+        if not Path(os.path.expanduser(init_from)).is_dir():
+            raise ConfigError(f"--init-from {init_from}: no such directory")
+        rc.model.init_from = str(Path(os.path.expanduser(init_from)).resolve())
+    elif recorded and rc.model.backend != "hf" and not Path(os.path.expanduser(recorded)).is_dir():
+        raise ConfigError(f"checkpoint {path} was trained from model.init_from={recorded!r}, which is no longer a "
+                          "directory (moved or deleted); pass --init-from DIR with that base model's new location")
+
+
+def _still_there(path: Path) -> None:
+    """A checkpoint that vanished while it was read (a running run prunes its older ones, checkpoint.keep)
+    is named as such, not as an unreadable file."""
+    from qwen3_research.checkpoint import is_complete, list_checkpoints
+
+    if is_complete(path):
+        return
+    newer = list_checkpoints(path.parent)
+    raise ConfigError(f"checkpoint {path} was removed while it was being exported (a running run prunes its older "
+                      f"checkpoints: checkpoint.keep); export again"
+                      + (f": the newest is now {newer[-1]}" if newer else "")) from None
 
 
 def main(argv: list[str] | None = None) -> None:
+    from qwen3_research import startup
+    from qwen3_research.hf_interop.export import parse_size
+
     ap = argparse.ArgumentParser(prog="python -m qwen3_research.export", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="a step-N checkpoint directory, or a directory of them (newest is used)")
     ap.add_argument("out_dir", help="the Hugging Face directory to write")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     ap.add_argument("--force", action="store_true", help="replace a non-empty out_dir (after verification)")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="the base model directory (model.init_from) when it moved since training")
     args = ap.parse_args(argv)
+    startup.quiet_libraries()
+    from qwen3_research.signals import Terminated, raise_terminated
+
+    # From here Ctrl-C and SIGTERM unwind the export (its temporary directory is removed on the way out).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        report = export_checkpoint(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, force=args.force)
+        try:
+            parse_size(args.max_shard_size)  # before any work (it failed after 11 s of loading)
+        except ValueError as e:
+            raise ConfigError(f"--max-shard-size: {e}; write e.g. 5GB, 500MB or a number of bytes") from None
+        report = export_checkpoint(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, force=args.force,
+                                   init_from=args.init_from)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    print(json.dumps({k: report[k] for k in ("missing_keys", "unexpected_keys", "max_abs_logit_diff", "files")}))
+    except (KeyboardInterrupt, Terminated) as e:
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"interrupted by {name}; nothing was exported (no partial files are left; {args.out_dir} is as it was)",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
+    print(json.dumps({k: report[k] for k in ("step", "checkpoint", "missing_keys", "unexpected_keys",
+                                             "max_abs_logit_diff", "files")}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import ConfigError, TrainingError, WorkerGroupError
+from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.trainer import RunInfo
 
@@ -75,8 +75,10 @@ def _limit_threads(local_world_size: int) -> None:
 
 def worker(resolved: dict, info: dict) -> dict:
     """One rank's whole life: build the Trainer, train, tear down. Importable for spawn."""
+    from qwen3_research.startup import quiet_libraries
     from qwen3_research.trainer import Trainer
 
+    quiet_libraries()  # a spawned rank starts with Python's defaults
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     trainer = Trainer(to_run_config(resolved), RunInfo(**info), resolved)
     try:
@@ -337,7 +339,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             _write_summary(run_path, summary)
         return summary
     except BaseException as e:
-        clean = (ConfigError, WorkerGroupError, TrainingError, Interrupted)
+        clean = (ConfigError, WorkerGroupError, TrainingError, ExportError, Interrupted)
         signum = signal_number(e)
         reason = str(e) if isinstance(e, clean) else f"{type(e).__name__}: {e}"
         if signum and not isinstance(e, Interrupted):

@@ -111,6 +111,8 @@ def validate_degrees(
                 f"parallelism.ep={p.ep} must divide dp_shard×tp={dp_shard}×{p.tp}={dp_shard * p.tp} (experts are "
                 f"sharded over the data-parallel and tensor-parallel ranks); use a smaller parallelism.ep or more ranks"
             )
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun (and in our workers) the group has met already
+        check_rendezvous_endpoint(p)
     if (p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and "SLURM_JOB_NODELIST" not in os.environ
             and "TORCHELASTIC_RUN_ID" not in os.environ):  # torchrun has already met the other nodes
         raise ConfigError(
@@ -119,6 +121,39 @@ def validate_degrees(
             "takes the head node from Slurm"
         )
     return Degrees(world, p.dp_replicate, dp_shard, p.tp, p.ep, p.sequence_parallel)
+
+
+def check_rendezvous_endpoint(p: ParallelismConfig) -> None:
+    """HOST[:PORT] as torch's elastic launcher parses it; a single node must host its own rendezvous."""
+    ep = p.rdzv_endpoint.strip()
+    bracketed = ep.startswith("[") and ep.endswith("]")  # an IPv6 address without a port
+    host, port = (ep, "") if bracketed or ":" not in ep else ep.rsplit(":", 1)
+    host = host[1:-1] if len(host) > 1 and host[0] == "[" and host[-1] == "]" else host
+    if not host or any(c.isspace() for c in host) or (port and not (port.isdigit() and int(port) < 2**16)):
+        raise ConfigError(f"parallelism.rdzv_endpoint={p.rdzv_endpoint!r} is not HOST:PORT with a port in 0-65535 "
+                          "(e.g. 10.0.0.1:29500; 127.0.0.1:0 picks a free port on one node)")
+    if p.nnodes == 1 and not _is_this_host(host):
+        raise ConfigError(f"parallelism.rdzv_endpoint={p.rdzv_endpoint!r}: {host} is not an address of this host, and "
+                          "a single-node run (parallelism.nnodes=1) hosts its own rendezvous; leave the default "
+                          "127.0.0.1:0, or set parallelism.nnodes for a multi-node run")
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` resolves to an address of this machine (one a socket can bind)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _, _, addr in infos:
+        try:
+            with socket.socket(family, kind) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def is_loopback(endpoint: str) -> bool:

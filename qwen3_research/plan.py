@@ -542,6 +542,9 @@ def render(plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from qwen3_research.errors import ConfigError
+    from qwen3_research.startup import quiet_libraries
+
+    quiet_libraries()  # the trace builds the run's model: its library warnings as one line each
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

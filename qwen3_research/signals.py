@@ -9,8 +9,6 @@ from __future__ import annotations
 import signal
 import threading
 
-import torch
-
 
 class Interrupted(Exception):
     """The run stopped on a signal after saving; ``exit_status`` is 128 + the signal number."""
@@ -52,7 +50,7 @@ def signal_number(e: BaseException) -> int | None:
 class StopOnSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, world_size: int, device: torch.device):
+    def __init__(self, world_size: int, device: "torch.device"):  # noqa: F821 - torch is imported where it is used
         self.world_size = world_size
         self.device = device
         self.signum = 0
@@ -78,6 +76,9 @@ class StopOnSignal:
         """The signal to stop on (0 = go on), the same on every rank."""
         if self.world_size == 1:
             return self.signum
+        import torch  # here, not at the top: __main__ imports this module before the config is known, and the
+        # launcher of a multi-node run sets c10d's log level before torch loads (__main__._quiet_c10d_retries)
+
         flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return int(flag.item())

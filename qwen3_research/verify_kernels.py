@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from qwen3_research.__main__ import CONF_DIR, format_compose_error
     from qwen3_research.config import ConfigError, register_configs, to_run_config, validate
+    from qwen3_research.startup import quiet_libraries
 
+    quiet_libraries()  # a kernel entry that matches nothing: one warning line
     register_configs()
     overrides = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from qwen3_research.errors import ExportError
+from qwen3_research.errors import ExportError, root_cause, write_failure
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json")
@@ -99,27 +99,50 @@ def copy_tokenizer(tokenizer_json: Path, out: Path) -> list[str]:
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Move the verified directory into place; an existing one is swapped out, not deleted first."""
+    """Move the verified directory into place; an existing one is swapped out, not deleted first (and put
+    back if the new one cannot take its place)."""
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old.exists():
+            os.rename(old, out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _parse_size(size) -> int:
-    if isinstance(size, int):
-        return size
-    s = str(size).strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+def _publish_report(report: dict, tmp: Path, out_dir: Path) -> None:
+    """The verification report into the verified directory, then the directory into place; an error is one line."""
+    try:
+        (tmp / REPORT).write_text(json.dumps(report, indent=1))
+        publish(tmp, out_dir)
+    except OSError as e:
+        why, advice = write_failure(e, out_dir.parent, "out_dir")
+        raise ExportError(f"HF export {out_dir}: {why}; the partial export was removed; {advice}") from None
+
+
+def parse_size(size) -> int:
+    """Bytes of ``5GB``, ``500MB``, ``64KB``, ``100B`` or a plain number; ValueError for anything else (or <= 0)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        s = str(size).strip().upper()
+        unit, mult = next(((u, m) for u, m in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)) if s.endswith(u)),
+                          ("", 1))
+        try:
+            n = int(float(s[: len(s) - len(unit)]) * mult)
+        except (ValueError, OverflowError):  # "lots", "nanGB" (int(nan)), "infGB"
+            raise ValueError(f"{size!r} is not a size") from None
+    if n <= 0:
+        raise ValueError(f"{size!r} is not a positive size")
+    return n
 
 
 def file_index(shapes: dict[str, tuple], bytes_per_elem: int, max_shard_size) -> dict[str, int]:
     """HF name -> output file number (1..n), greedily in name order, each file <= max_shard_size."""
-    limit, out, idx, used = _parse_size(max_shard_size), {}, 1, 0
+    limit, out, idx, used = parse_size(max_shard_size), {}, 1, 0
     for k in shapes:
         n = bytes_per_elem
         for s in shapes[k]:
@@ -215,16 +238,31 @@ def verify_reload(hf_dir: Path, inputs: torch.Tensor, reference_logits: torch.Te
 def export_native(backend, out_dir: Path, *, tokenizer_json: Path, eos_id: int | None, inputs: torch.Tensor,
                   reference_logits: torch.Tensor, compute_dtype: str = "float32", max_shard_size="5GB") -> dict | None:
     """Collective over all ranks (also fine in one process): write, verify, publish. Returns rank 0's report."""
-    from qwen3_research.hf_interop.config import expected_hf_shapes
-
     is_main = not _dist() or torch.distributed.get_rank() == 0
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-export")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    try:
+        return _export_native(backend, out_dir, tmp, is_main, tokenizer_json=tokenizer_json, eos_id=eos_id,
+                              inputs=inputs, reference_logits=reference_logits, compute_dtype=compute_dtype,
+                              max_shard_size=max_shard_size)
+    except BaseException:  # a failed check, a full disk, Ctrl-C: the temporary directory never stays behind
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _export_native(backend, out_dir: Path, tmp: Path, is_main: bool, *, tokenizer_json, eos_id, inputs,
+                   reference_logits, compute_dtype, max_shard_size) -> dict | None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from qwen3_research.hf_interop.config import expected_hf_shapes
+
     _barrier()
     error = None
+    fix = "the previous export (if any) is kept"
     report: dict = {}
     try:
         hf_sd = _hf_state(backend.model, backend.model_config)
@@ -257,20 +295,23 @@ def export_native(backend, out_dir: Path, *, tokenizer_json: Path, eos_id: int |
                          f"(max |diff| {diffs[worst]:.3g})")
     except ExportError:
         raise
-    except Exception as e:  # noqa: BLE001 - a rank's write error: report it as an export failure on every rank
-        error = f"HF export {out_dir}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a rank's write error (DCP wraps it): an export failure on every rank
+        cause = root_cause(e)
+        if not isinstance(cause, Exception):  # Ctrl-C or SIGTERM inside DCP's write: unwind as that signal
+            raise cause from None
+        why, advice = write_failure(e, out_dir.parent, "out_dir")  # before the partial files are removed
+        error, fix = f"HF export {out_dir}: {why}"[:400], f"the partial export was removed; {advice}"
     if _dist():
-        box = [error]
+        box = [(error, fix)]
         torch.distributed.broadcast_object_list(box, src=0)
-        error = box[0] or error
+        error, fix = box[0] if box[0][0] else (error, fix)
     if error:
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
-        raise ExportError(f"{error}; the previous export (if any) is kept")
+        raise ExportError(f"{error}; {fix}")
     if is_main:
-        (tmp / REPORT).write_text(json.dumps(report, indent=1))
-        publish(tmp, out_dir)
+        _publish_report(report, tmp, out_dir)
         print(f"hf export: {out_dir} files={len(report['files'])} missing_keys=0 unexpected_keys=0 "
               f"max_abs_tensor_diff={report['max_abs_tensor_diff']:.1e} max_abs_logit_diff="
               f"{report['max_abs_logit_diff']:.3e} (tol {report['logit_tolerance']:g}, {compute_dtype})", flush=True)
@@ -313,8 +354,11 @@ def export_hf_backend(backend, out_dir: Path, *, tokenizer_json: Path, inputs, r
                 raise ExportError(f"HF export {out_dir} fails verification: missing={report['missing_keys'][:3]} "
                                   f"unexpected={report['unexpected_keys'][:3]} max_abs_logit_diff="
                                   f"{report['max_abs_logit_diff']:.3g}; the previous export (if any) is kept")
-            (tmp / REPORT).write_text(json.dumps(report, indent=1))
-            publish(tmp, out_dir)
+            _publish_report(report, tmp, out_dir)
+        except OSError as e:  # a full disk, a file-size limit, a read-only out_dir: one line
+            shutil.rmtree(tmp, ignore_errors=True)
+            why, advice = write_failure(e, out_dir.parent, "out_dir")
+            raise ExportError(f"HF export {out_dir}: {why}; the partial export was removed; {advice}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -23,7 +23,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,18 +35,7 @@ log = logging.getLogger("qwen3_research.kernels")
 
 
 class KernelMatchWarning(UserWarning):
-    """An override entry matched no module of the built model."""
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
-    """Kernel warnings reach the console as one ``warning: ...`` line (no source file and line of ours)."""
-    if issubclass(category, KernelMatchWarning):
-        print(f"warning: {message}", file=file or sys.stderr, flush=True)
-        return
-    _default(message, category, filename, lineno, file, line)
-
-
-warnings.showwarning = _show_warning
+    """An override entry matched no module of the built model (one ``warning: …`` line: qwen3_research.startup)."""
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""What a command's process sets up for itself: Ctrl-C while it imports, and what libraries may print.
+
+Every entry point (``python -m qwen3_research``, ``.export``) and every worker rank calls these; the
+rest of the package never touches signal dispositions for start-up, ``warnings`` or the root logger.
+Standard library only: it runs before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import warnings
+
+# Messages libraries print on every run that tell the user nothing they can act on (message regex).
+NOISE = (
+    # torch.distributed.checkpoint, on every save/load in one process (no process group): that is our intent.
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
+)
+
+
+def exit_at_once_while_importing(after: str) -> None:
+    """Until the command installs its own handlers, Ctrl-C or SIGTERM ends the process at once: exit 128+signal
+    and one line, ``interrupted by SIGINT <after>``.
+
+    Nothing has been written yet at this point, so there is nothing to clean up; a KeyboardInterrupt
+    instead could land inside a library's import and be swallowed there. numpy is imported here, under
+    this handler, because torch's C start-up imports it and clears any error raised inside that import,
+    a KeyboardInterrupt included (torch/csrc/utils/tensor_numpy.cpp, ``is_numpy_available``:
+    ``PyErr_Clear`` after ``_import_array`` fails): the Ctrl-C was lost and numpy left half-imported, so
+    the run either went on as if nothing happened or failed later with "module 'numpy' has no attribute
+    'matrix'" and a traceback. Imported first, numpy is complete before torch asks for it.
+    """
+
+    def _exit(signum, frame):
+        print(f"interrupted by {signal.Signals(signum).name} {after}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _exit)
+    import numpy  # noqa: F401  (see above)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    first = str(message).strip().splitlines()[0] if str(message).strip() else category.__name__
+    return f"warning: {first}\n"
+
+
+class _LibraryInfoOffConsole(logging.Filter):
+    """Below WARNING, only Hydra's own lines (a sweep's "Launching …", "#1 : …") reach the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name == "hydra" or record.name.startswith("hydra.")
+
+
+def quiet_libraries() -> None:
+    """Warnings print as one ``warning: …`` line (not two, with a source line), known noise not at all;
+    library loggers' INFO records stay off the console: torchtitan logs to the root logger, which Hydra's
+    job logging sends to the console ("[root][INFO] - Total parameter count …" on every run). A file
+    handler (Hydra's ``<run dir>/<job>.log``) still receives them. Call after Hydra configured logging."""
+    warnings.formatwarning = _one_line_warning
+    for pattern in NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if not any(isinstance(f, _LibraryInfoOffConsole) for f in handler.filters):
+                handler.addFilter(_LibraryInfoOffConsole())
