@@ -176,4 +176,4 @@ def test_interrupted_sweep_runs_only_the_remaining_points(tmp_path):
             assert (p / "summary.json").stat().st_mtime_ns == first[p.name]
         else:
             assert [r["step"] for r in read_metrics(p) if "loss" in r] == [1, 2]
-    assert "4 ok, 0 failed" in again.stdout
+    assert "4 ok; report:" in again.stdout
