@@ -76,17 +76,6 @@ def _child(code: str, env: dict | None = None, timeout: float = 600) -> tuple[bo
     return proc.returncode == 0, out if proc.returncode == 0 else err
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR
-    from qwen3_research.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def kernel_options(device_type: str, lnc: int | None = None) -> dict[str, str]:
     """Every conf/kernels option -> '' if it can run on this host's ``device_type``, else why not."""
     return {o: why for o, (why, _) in _kernel_options(device_type, lnc).items()}
@@ -103,7 +92,7 @@ def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple
     start-up), and whether verify_kernels has a check for it."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import CONF_DIR
     from qwen3_research.kernels import load
     from qwen3_research.kernels.registry import kernel_support
 
@@ -145,17 +134,17 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     if not torch_v:
         return rows, ctx
 
-    try:
-        cfg = _compose(overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
-        from qwen3_research.__main__ import format_compose_error
+    from qwen3_research.compose import compose
+    from qwen3_research.errors import ConfigError
 
-        raise SystemExit(_config_exit(format_compose_error(e)))
+    try:
+        cfg = compose(overrides)
+    except ConfigError as e:
+        raise SystemExit(_config_exit(f"config error: {e}"))
     import torch
 
     from qwen3_research import device as devices
     from qwen3_research.config import to_run_config, validate
-    from qwen3_research.errors import ConfigError
 
     rc = to_run_config(cfg)
     requested = rc.device.type
@@ -345,7 +334,7 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     the tiny flavors are refused: docs/KERNELS.md); elsewhere the small CPU shapes."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import CONF_DIR
     from qwen3_research.kernels import load
 
     kernels = load()

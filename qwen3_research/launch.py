@@ -35,7 +35,7 @@ def _writes_run_files() -> bool:
     return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and os.environ.get("SLURM_NODEID", "0") == "0"
 
 
-def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 300.0) -> list[str]:
+def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
     Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
@@ -54,10 +54,9 @@ def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 3
                           is_master=False, timeout=timedelta(seconds=timeout_s))
     key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
-        from hydra import compose, initialize_config_dir
+        from qwen3_research.compose import compose
 
-        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        cfg = compose(overrides, return_hydra_config=True)
         run_dir = os.path.abspath(str(cfg.hydra.run.dir))
         store.set(key, run_dir)
     else:

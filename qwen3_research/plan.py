@@ -385,40 +385,6 @@ def estimate(rc, degrees, facts: dict) -> dict:
 
 
 # -- the whole plan ----------------------------------------------------------------------------
-def compose(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None) -> dict:
-    """The resolved run config for ``overrides``: conf/config.yaml, or ``config_name`` found on conf/ plus
-    ``searchpath`` (a sweep file given with ``--config-dir sweeps --config-name tp_seq``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from qwen3_research.__main__ import CONF_DIR, format_compose_error
-    from qwen3_research.errors import ConfigError
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    gh = GlobalHydra.instance()
-    outer = gh.hydra if gh.is_initialized() else None  # inside a running Hydra app (a sweep's callback)
-    if outer is not None:
-        gh.clear()
-    try:
-        # The first extra directory holds the named config (Hydra finds a primary config only there); conf/
-        # and the others are searched after it, as with the CLI's --config-dir.
-        first, extra = CONF_DIR, []
-        if searchpath:
-            first = searchpath[0].split("://", 1)[-1]
-            extra = [f"hydra.searchpath=[{','.join([*searchpath[1:], 'file://' + CONF_DIR])}]"]
-        with initialize_config_dir(config_dir=first, version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=[*extra, *overrides])
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
-        raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
-    finally:
-        if outer is not None:
-            GlobalHydra.instance().clear()
-            GlobalHydra.instance().initialize(outer)
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def capacity(rc) -> tuple[float, str]:
     if rc.device.memory_gib is not None:
         return float(rc.device.memory_gib), "device.memory_gib"
@@ -541,6 +507,7 @@ def render(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qwen3_research.compose import compose_resolved
     from qwen3_research.errors import ConfigError
     from qwen3_research.startup import quiet_libraries
 
@@ -554,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
     argv = [a for a in argv if a not in ("--json", "--trace-all-roles")]
     try:
-        plan = make_plan(compose(argv), trace_all=trace_all)
+        plan = make_plan(compose_resolved(argv), trace_all=trace_all)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG

@@ -60,18 +60,15 @@ def check_request(partition: str | None, nnodes: int) -> None:
                           f"parallelism.nnodes<={total} or hydra.launcher.partition to a larger partition")
 
 
-def preflight(overrides: list[str], conf_dir: str) -> None:
+def preflight(overrides: list[str]) -> None:
     """Raise ConfigError when a ``hydra/launcher=slurm`` request cannot be met. Swept values are not checked."""
     if not uses_slurm(overrides):
         return
-    from hydra import compose, initialize_config_dir
+    from qwen3_research.compose import compose, is_sweep_value
 
-    from qwen3_research.sweep import _is_sweep_value
-
-    fixed = [o for o in overrides if not _is_sweep_value(o.partition("=")[2])]
+    fixed = [o for o in overrides if not is_sweep_value(o.partition("=")[2])]
     try:
-        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=fixed, return_hydra_config=True)
+        cfg = compose(fixed, return_hydra_config=True)
         partition = cfg.hydra.launcher.get("partition")
         nnodes = int(cfg.parallelism.nnodes)
     except Exception:  # noqa: BLE001 - a bad override is reported by Hydra itself, in each point

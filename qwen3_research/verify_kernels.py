@@ -17,20 +17,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR, format_compose_error
-    from qwen3_research.config import ConfigError, register_configs, to_run_config, validate
+    from qwen3_research.compose import compose
+    from qwen3_research.config import ConfigError, to_run_config, validate
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # a kernel entry that matches nothing: one warning line
-    register_configs()
     overrides = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except Exception as e:  # noqa: BLE001
-        print(format_compose_error(e), file=sys.stderr)
+        cfg = compose(overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
         rc = validate(to_run_config(cfg))

@@ -53,7 +53,7 @@ def main() -> None:
     out, ref_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     from hydra import compose, initialize_config_dir
 
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import CONF_DIR
     from qwen3_research.config import to_run_config
     from qwen3_research.models import native
     from qwen3_research.trainer import RunInfo, Trainer

@@ -48,7 +48,7 @@ def run_in_process(overrides: list[str], run_dir: Path) -> dict:
     """One run through the launcher's real path (validate, preflight, Trainer), in this process."""
     from hydra import compose, initialize_config_dir
 
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import CONF_DIR
     from qwen3_research.launch import run
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -27,7 +27,7 @@ def _compose(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
