@@ -21,6 +21,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from qwen3_research import slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import ConfigError, register_configs
 
@@ -236,7 +237,7 @@ def _task(cfg: DictConfig):
             return summary.get("final_eval_loss") or summary["final_loss"]
         return summary
     except (Interrupted, KeyboardInterrupt, Terminated) as e:
-        if multirun and os.environ.get("SLURM_JOB_ID"):
+        if multirun and slurm.job_id():
             # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
             # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
             if isinstance(e, Interrupted):
@@ -291,9 +292,7 @@ def _main() -> None:
     passthrough = bool(flags)
     check_override_syntax(overrides)
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
-        from qwen3_research.slurm import preflight as slurm_preflight
-
-        slurm_preflight(overrides)
+        slurm.preflight(overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)

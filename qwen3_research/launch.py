@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from qwen3_research import slurm
 from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted, Terminated, signal_number
@@ -32,7 +33,7 @@ def under_torchrun() -> bool:
 
 def _writes_run_files() -> bool:
     """summary.json comes from rank 0 under torchrun, and from the first node of a Slurm job."""
-    return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and os.environ.get("SLURM_NODEID", "0") == "0"
+    return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and slurm.node_rank() == 0
 
 
 def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[str]:
@@ -200,7 +201,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         min_nodes=p.nnodes,
         max_nodes=p.nnodes,
         nproc_per_node=p.nproc_per_node,
-        run_id=os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12],
+        run_id=slurm.job_id() or uuid.uuid4().hex[:12],
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
@@ -278,7 +279,7 @@ def check_kernels_without_device(rc: RunConfig) -> None:
 def _resume_when_requeued(resolved: dict) -> dict:
     """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its
     run dir's latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and not resolved["checkpoint"].get("resume"):
+    if slurm.restart_count() > 0 and not resolved["checkpoint"].get("resume"):
         resolved["checkpoint"]["resume"] = "auto"
     return resolved
 
