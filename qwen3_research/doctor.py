@@ -93,10 +93,9 @@ def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple
     from omegaconf import OmegaConf
 
     from qwen3_research.compose import CONF_DIR
-    from qwen3_research.kernels import load
-    from qwen3_research.kernels.registry import kernel_support
+    from qwen3_research.kernels import KERNELS as kernels
+    from qwen3_research.kernels import kernel_support
 
-    kernels = load()
     out = {}
     for path in sorted(Path(CONF_DIR, "kernels").glob("*.yaml")):
         entries = OmegaConf.load(path).get("entries") or []
@@ -335,19 +334,18 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     from omegaconf import OmegaConf
 
     from qwen3_research.compose import CONF_DIR
-    from qwen3_research.kernels import load
+    from qwen3_research.kernels import KERNELS, kernel_replaces
 
-    kernels = load()
     names = [e.name for e in OmegaConf.load(Path(CONF_DIR, "kernels", f"{option}.yaml")).get("entries") or []]
-    moe = any("GroupedExperts" in kernels[n].module_types for n in names if n in kernels)  # an expert kernel
+    moe = any(kernel_replaces(n, "GroupedExperts") for n in names)  # an expert kernel
     args = [f"model={'native_moe' if moe else 'native'}"]
     if device == "neuron":
         args += [f"data.seq_len={128 * (lnc or 2)}", "data.batch_size=1"]
-        if moe and any(n.startswith("nki") for n in names):
-            args.append("model.flavor=nki_debug")
     else:
         args += ["data.seq_len=32", "data.batch_size=2"]
-    return args
+    # what each kernel's spec asks for on this device (Requirements.verify_overrides)
+    extra = [o for n in names if n in KERNELS for o in KERNELS[n].requirements.verify_overrides.get(device, ())]
+    return args + list(dict.fromkeys(extra))
 
 
 def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
