@@ -73,7 +73,7 @@ class BareLoop:
         import torch
 
         from qwen3_research import titan
-        from qwen3_research.models.flavors import get_flavor
+        from qwen3_research.models import get_flavor
 
         self.torch = torch
         self.flavor = flavor_obj or get_flavor(backend, flavor)

@@ -128,6 +128,7 @@ def preflight(overrides: list[str]) -> None:
     try:
         cfg = compose(overrides)
         rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
+        models.check(rc.model)  # the model backend's own rules (its spec)
         _quiet_c10d_retries(rc)
         from qwen3_research.device import prepare_launch
 

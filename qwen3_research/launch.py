@@ -287,7 +287,7 @@ def _resume_when_requeued(resolved: dict) -> dict:
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
         swept: dict | None = None, prediction: dict | None = None) -> dict:
     """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import models, titan
+    from qwen3_research import models
     from qwen3_research.parallel import validate_degrees
 
     from qwen3_research.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
@@ -300,11 +300,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         # training.mixed_precision=auto resolved here, so the workers, summary.json and W&B get the value used
         resolved = _resume_when_requeued(resolve_auto_settings(OmegaConf.to_container(cfg, resolve=True)))
         rc = validate(to_run_config(resolved))
+        models.check(rc.model)  # the model backend's own rules (its spec)
         from qwen3_research.device import prepare_launch
 
         prepare_launch(rc)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved in rc
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
-        titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
+        models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
         batch_size = resolve_batch_size(rc, degrees.dp)
         if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
             refused = True  # until this process owns the run dir, a refusal writes nothing there

@@ -346,11 +346,11 @@ def evenly_sharded(model) -> bool:
 # -- the closed form ---------------------------------------------------------------------------
 def estimate(rc, degrees, facts: dict) -> dict:
     """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
-    from qwen3_research.models import get_flavor
+    from qwen3_research import models
 
-    if rc.model.backend == "hf":
+    f = models.architecture(rc.model)
+    if f is None:  # a backend without a closed form (model=hf)
         return {}
-    f = get_flavor(rc.model.backend, rc.model.flavor)
     d, hd, h, kv, v = f.dim, f.head_dim, f.n_heads, f.n_kv_heads, f.vocab_size
     attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
     ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
@@ -446,23 +446,9 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
         rp.estimate = est
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
-    flops = _flops_per_token(rc) * tokens
+    flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
     return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
                 planned_for="neuron" if elsewhere else None, kernel_lines=ranks[0].kernel_lines)
-
-
-def _flops_per_token(rc) -> float:
-    """torchtitan's formula (6 × active matmul params + attention), from the flavor; NaN for hf."""
-    from qwen3_research.models import get_flavor
-
-    if rc.model.backend == "hf":
-        return float("nan")
-    f = get_flavor(rc.model.backend, rc.model.flavor)
-    d, hd = f.dim, f.head_dim
-    attn = d * (f.n_heads + 2 * f.n_kv_heads) * hd + f.n_heads * hd * d
-    ffn = (f.top_k * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
-    matmul = f.n_layers * (attn + ffn) + f.vocab_size * d
-    return 6 * matmul + 12 * f.n_layers * f.n_heads * hd * rc.data.seq_len
 
 
 def render(plan: Plan) -> str:

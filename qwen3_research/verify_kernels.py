@@ -6,7 +6,7 @@ reference on random inputs of the run's shapes (batch × seq_len tokens, heads, 
 forward and backward. Prints max abs and rel error per kernel with PASS/FAIL against the stated
 tolerance. Exit status: 0 all pass, 1 a kernel fails or nothing was verified (an entry that matches
 no module of the model, or no kernel to check), 2 a configuration error -- among them a kernel that
-cannot run here, found by the same checks a run makes (``titan.check_supported``, then
+cannot run here, found by the same checks a run makes (``models.check_run``: ``titan.check_supported``, then
 ``kernels.resolve``: the device, LNC and package checks of ``kernels.registry.kernel_support`` and the
 model's shapes).
 """
@@ -39,24 +39,24 @@ def main(argv: list[str] | None = None) -> int:
             devices.prepare_neuron_cores(1)  # one process: one NeuronCore, not every core of the host
         device_type = devices.resolve_device_type(rc.device.type)
         if devices.validate_only():  # test hook (device.py): the checks below, on a meta-device model
-            from qwen3_research import titan
+            from qwen3_research import models
             from qwen3_research.launch import check_kernels_without_device
 
-            titan.check_supported(rc)
+            models.check_run(rc)
             check_kernels_without_device(rc)
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
-        from qwen3_research import models, titan
+        from qwen3_research import models
         from qwen3_research.kernels import apply_overrides
         from qwen3_research.kernels.registry import KERNELS, entry_labels
         from qwen3_research.kernels.verify import verify_plan
 
-        # The checks a run makes: the torchtitan check before any worker starts (launch.run), then in
+        # The checks a run makes: the backend's run checks before any worker starts (launch.run), then in
         # the worker the overrides' own (resolve: kernel_support's device/LNC/package checks and the
         # model's shapes), so a kernel that cannot run here is the same one-line config error as in a run.
-        titan.check_supported(rc)
+        models.check_run(rc)
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
         rc.kernels.verify = False  # verify once, below
         plan = apply_overrides(backend.model, rc, device)

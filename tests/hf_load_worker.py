@@ -55,7 +55,7 @@ def main() -> None:
 
     from qwen3_research.compose import CONF_DIR
     from qwen3_research.config import to_run_config
-    from qwen3_research.models import native
+    from qwen3_research.models import native_model as native
     from qwen3_research.trainer import RunInfo, Trainer
     from omegaconf import OmegaConf
 

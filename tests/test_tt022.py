@@ -33,7 +33,7 @@ def _backend(flavor_backend: str, seed: int):
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models.native_model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend=flavor_backend, flavor="tiny"), torch.device("cpu"), 32, seed=seed)
 

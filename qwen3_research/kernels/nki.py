@@ -449,9 +449,9 @@ def moe_cost(module, options, cfg, device, layers: int = 1) -> dict:
 
 def _top_k(cfg) -> int:
     """Routed rows per token: the native flavor's (or init_from architecture's) top-k."""
-    from qwen3_research.models import resolve_flavor
+    from qwen3_research import models
 
-    return max(1, resolve_flavor(cfg.model)[1].top_k)
+    return max(1, models.architecture(cfg.model).top_k)
 
 
 def _describe_moe(module, options, cfg, device, layers: int) -> tuple[list[str], int]:
