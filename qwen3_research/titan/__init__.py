@@ -38,18 +38,15 @@ API = (
 )
 
 
-def check_supported(rc, *, moe: bool) -> None:
-    """Refuse at start-up, in one line (ConfigError), what the installed torchtitan cannot run for a
-    torchtitan Qwen3 model (``moe``: Qwen3-MoE). The native backends ask this (``models.check_run``)."""
-    api.check_supported(rc, moe=moe)
-
-
 def align_token_groups(model, device_type: str, align: int | None = None) -> int:
     """On neuron: pad each expert's token group to TorchNeuron's grouped-matmul alignment (``common``)."""
     return _align_token_groups(model, device_type, align, api.unpadded_experts_forward)
 
 
 # -- the names the package uses, bound to the installed API ---------------------------------------
+# check_supported(rc, *, moe): refuse at start-up, in one line (ConfigError), what the installed torchtitan
+# cannot run for a torchtitan Qwen3 model (moe: Qwen3-MoE); the native backends ask it (models.check_run).
+check_supported = api.check_supported
 expert_weights = api.expert_weights  # (w1, w2, w3) of torchtitan's GroupedExperts
 prepare_kernel_targets = api.prepare_kernel_targets  # modules kernels replace that the API lacks (0.2.x RoPE)
 qwen3_model_config = api.qwen3_model_config  # torchtitan's Qwen3 config for a flavor
