@@ -46,14 +46,10 @@ def write_hf_checkpoint(out: Path, moe: bool, seed: int = 0, **overrides) -> Pat
 
 def run_in_process(overrides: list[str], run_dir: Path) -> dict:
     """One run through the launcher's real path (validate, preflight, Trainer), in this process."""
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.compose import CONF_DIR
+    from qwen3_research.compose import compose
     from qwen3_research.launch import run
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return run(cfg, str(run_dir))
+    return run(compose(overrides), str(run_dir))
 
 
 def tree_digest(path: Path) -> str:
