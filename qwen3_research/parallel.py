@@ -292,7 +292,7 @@ def keep_embeddings_tied_through_tp(model) -> None:
     """
     if not getattr(model, "enable_weight_tying", False) or "parallelize" in vars(model):
         return
-    if not hasattr(model, "parallelize"):  # torchtitan 0.2.x: TP is not a model method (titan.py re-ties)
+    if not hasattr(model, "parallelize"):  # torchtitan 0.2.x: TP is not a model method (titan/v02.py re-ties)
         return
     tp_parallelize = model.parallelize
 
