@@ -108,12 +108,17 @@ def spec(cfg: ModelConfig) -> BackendSpec:
     return get(cfg.backend, getattr(cfg, "module", None))
 
 
-def in_tree() -> list[str]:
-    """The backends shipped with the package: the ``backend`` of every conf/model option, sorted."""
+@functools.lru_cache(maxsize=None)
+def _in_tree() -> tuple[str, ...]:
     from omegaconf import OmegaConf
 
     names = {str(OmegaConf.load(p).get("backend")) for p in Path(CONF_DIR, "model").glob("*.yaml")}
-    return sorted(n for n in names if n != "None")
+    return tuple(sorted(n for n in names if n != "None"))
+
+
+def in_tree() -> list[str]:
+    """The backends shipped with the package: the ``backend`` of every conf/model option, sorted."""
+    return list(_in_tree())
 
 
 def check(cfg: ModelConfig) -> BackendSpec:
