@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = str(ROOT / "conf")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -27,17 +26,12 @@ devices.prepare_torchtitan(devices.resolve_device_type("auto"))
 # -- config and trainer ------------------------------------------------------------------------
 def compose(overrides: list[str]) -> dict:
     """The resolved config dict ``python -m qwen3_research <overrides>`` would run."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.config import to_run_config, validate
 
-    from qwen3_research.config import register_configs, to_run_config, validate
-
-    register_configs()
     base = ["logging.wandb.mode=disabled", "logging.progress_bar=false", "logging.print_config=false",
             "training.eval_every=0"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=base + list(overrides))
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = compose_resolved(base + list(overrides))
     resolved.pop("hydra", None)
     validate(to_run_config(resolved))
     return resolved
@@ -79,7 +73,7 @@ class BareLoop:
         import torch
 
         from qwen3_research import titan
-        from qwen3_research.models.flavors import get_flavor
+        from qwen3_research.models import get_flavor
 
         self.torch = torch
         self.flavor = flavor_obj or get_flavor(backend, flavor)

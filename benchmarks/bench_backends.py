@@ -25,7 +25,7 @@ def write_hf_dir(backend: str, flavor_name: str, out: Path) -> Path:
     import torch
 
     from qwen3_research.hf_interop.export import hf_config_for_flavor
-    from qwen3_research.models.flavors import get_flavor
+    from qwen3_research.models import get_flavor
 
     moe = backend == "native_moe"
     cfg = hf_config_for_flavor(get_flavor(backend, flavor_name), moe, eos_id=None)

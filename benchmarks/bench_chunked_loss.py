@@ -22,9 +22,10 @@ BASE = ["model=native", "model.flavor=tiny", "data.seq_len=2048", "device=cpu"]
 
 
 def traced_peak(loss: str, batch: int) -> int:
-    from qwen3_research.plan import compose, make_plan
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.plan import make_plan
 
-    plan = make_plan(compose(BASE + [f"data.batch_size={batch}", f"training.loss={loss}",
+    plan = make_plan(compose_resolved(BASE + [f"data.batch_size={batch}", f"training.loss={loss}",
                                      "logging.wandb.mode=disabled", "training.eval_every=0"]))
     return plan.peak
 

@@ -46,7 +46,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     reps = 5 if args.full else 2
     C.header("bench_scaling", [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    from qwen3_research.models.flavors import get_flavor
+    from qwen3_research.models import get_flavor
 
     tiny = get_flavor("native", "tiny")
     seqs = [int(x) for x in args.seq_lens.split(",")]

@@ -46,7 +46,7 @@ def main(argv=None):
 
     # Bare loop: same torchtitan config (SDPA, as model.attention=sdpa above), same seed and init.
     from qwen3_research import titan
-    from qwen3_research.models.flavors import get_flavor
+    from qwen3_research.models import get_flavor
 
     flavor = get_flavor("native", args.flavor)
     cfg = titan.qwen3_model_config(flavor, "sdpa", "cuda")

@@ -21,13 +21,14 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from qwen3_research import slurm
+from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import ConfigError, register_configs
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
 
-register_configs()
+register_configs()  # before @hydra.main composes: the schemas the YAML options extend
 
 
 # Hydra's flags that take a value (the next word is not an override); --info's value is optional.
@@ -97,7 +98,6 @@ def preflight_overrides(overrides: list[str]) -> None:
     """A sweep or ``--cfg``: the keys, types and options of the overrides, composed once with the first
     value of every swept key, so a typo is one line (exit 2) as for a single run. Values are not
     validated here: an impossible point of a sweep fails alone (sweep report, exit 3)."""
-    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -111,54 +111,24 @@ def preflight_overrides(overrides: list[str]) -> None:
                 firsts.append(f"{o.input_line.split('=', 1)[0]}={value}")
             else:
                 firsts.append(o.input_line)
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            compose(config_name="config", overrides=firsts)
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
+    except Exception as e:  # noqa: BLE001 - Hydra's parser raises several types; all are config errors here
         _die(format_compose_error(e))
-
-
-def format_compose_error(e: BaseException) -> str:
-    """One line naming the key (or group) and what to do, from Hydra/OmegaConf's exception."""
-    from hydra.errors import MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    chain, cur = [], e
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for err in chain:
-        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
-            msg = str(getattr(err, "msg", None) or err).splitlines()[0]
-            if "not in struct" in msg or "not in" in msg and "Key" in msg:
-                return f"config error: {err.full_key}: unknown key ({msg}); check the spelling, or print valid keys with --cfg job"
-            return f"config error: {err.full_key}: {msg}"
-    for err in chain:
-        if isinstance(err, MissingConfigException):
-            text = str(err)
-            first = text.splitlines()[0]
-            listing = text.split("Config search path", 1)[0]  # the options, not the search path after them
-            options = [ln.strip() for ln in listing.splitlines()[1:] if ln.startswith("\t")]
-            group = getattr(err, "missing_cfg_file", "") or ""
-            hint = f"; available: {', '.join(options)}" if options else ""
-            return f"config error: {first.strip()} ({group}){hint}"
-    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    return f"config error: {first.strip()}"
+    try:
+        compose(firsts)
+    except ConfigError as e:
+        _die(f"config error: {e}")
 
 
 def preflight(overrides: list[str]) -> None:
     """Compose and validate once; exit 2 with one line on any configuration error."""
-    from hydra import compose, initialize_config_dir
     from qwen3_research import models
     from qwen3_research.config import to_run_config, validate
     from qwen3_research.parallel import validate_degrees
 
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
-        _die(format_compose_error(e))
-    try:
+        cfg = compose(overrides)
         rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
+        models.check(rc.model)  # the model backend's own rules (its spec)
         _quiet_c10d_retries(rc)
         from qwen3_research.device import prepare_launch
 
@@ -186,8 +156,6 @@ def _quiet_c10d_retries(rc) -> None:
 
 def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
     """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
-    from hydra import compose, initialize_config_dir
-
     from qwen3_research import models
     from qwen3_research.config import resolve_batch_size
     from qwen3_research.data import Tokenizer, tokenizer_path
@@ -199,8 +167,7 @@ def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
         return  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            run_dir = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra.run.dir
+        run_dir = compose(overrides, return_hydra_config=True).hydra.run.dir
     except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.run checks later
         return
     run_dir = Path(os.path.abspath(str(run_dir)))
@@ -271,7 +238,7 @@ def _task(cfg: DictConfig):
             return summary.get("final_eval_loss") or summary["final_loss"]
         return summary
     except (Interrupted, KeyboardInterrupt, Terminated) as e:
-        if multirun and os.environ.get("SLURM_JOB_ID"):
+        if multirun and slurm.job_id():
             # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
             # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
             if isinstance(e, Interrupted):
@@ -326,9 +293,7 @@ def _main() -> None:
     passthrough = bool(flags)
     check_override_syntax(overrides)
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
-        from qwen3_research.slurm import preflight as slurm_preflight
-
-        slurm_preflight(overrides, CONF_DIR)
+        slurm.preflight(overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
@@ -338,7 +303,7 @@ def _main() -> None:
         from qwen3_research.launch import torchrun_overrides, under_torchrun
 
         if under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
-            sys.argv += torchrun_overrides(overrides, CONF_DIR)
+            sys.argv += torchrun_overrides(overrides)
     _task()
 
 

@@ -532,7 +532,7 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                     f"{', '.join(differ)}); resume with the same model settings, or use another checkpoint.dir"
                 )
             _same_base_model(ck.resume, found, saved.get("init_from"), rc.model.init_from)
-    if rc.model.init_from and rc.model.backend != "hf":
+    if rc.model.init_from:  # only a backend that takes it has one (models.check)
         from qwen3_research.hf_interop.preflight import check_init_from
 
         check_init_from(rc)

@@ -26,8 +26,10 @@ from qwen3_research.errors import ConfigError  # noqa: F401  (re-exported: confi
 
 @dataclass
 class ModelConfig:
-    backend: str = "native"  # native | native_moe | hf
-    flavor: str = "tiny"  # see qwen3_research.models.native.FLAVORS
+    backend: str = "native"  # native | native_moe | hf | another backend's name (qwen3_research.models.registry)
+    # The module defining an out-of-tree backend's BACKEND spec; None: qwen3_research.models.<backend>.
+    module: Optional[str] = None
+    flavor: str = "tiny"  # a named architecture of the backend (qwen3_research.models.flavors)
     path: Optional[str] = None  # hf backend: local directory or Hub id
     init_from: Optional[str] = None  # native backends: HF directory with safetensors
     trust_remote_code: bool = False
@@ -193,14 +195,18 @@ GROUP_SCHEMAS = {
 }
 
 
+def default_flavor(init_from) -> str:
+    """The Hydra default of ``model.flavor`` for the native backends: ``from_hf`` (the checkpoint's
+    architecture) when ``model.init_from`` is set, else the schema's default (tiny)."""
+    return "from_hf" if init_from else ModelConfig.flavor
+
+
 def register_configs() -> None:
     """Store the run schema and one schema per group (``<group>_schema``) for YAML options to extend.
 
     The group schemas are root-level configs, not a config group, so ``--help`` lists only the
     groups a user chooses from (a ``schema`` group would show up there as if it were one).
     """
-    from qwen3_research.models.flavors import default_flavor
-
     # conf/model/native*.yaml: model.flavor defaults to init_from's architecture ("from_hf") or "tiny".
     OmegaConf.register_new_resolver("default_flavor", default_flavor, replace=True)
     cs = ConfigStore.instance()
@@ -323,34 +329,23 @@ def _positive(path: str, value, *, allow_zero: bool = False) -> None:
 def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     """Check values the schema cannot express; return the config as a RunConfig object.
 
-    Cheap checks only: nothing here imports torch or builds a model. Parallel degrees are
-    checked in ``parallel.validate_degrees`` (needs the model's head counts).
+    Cheap checks only: nothing here imports torch or builds a model. The model backend's rules are
+    ``models.check`` (its spec's); parallel degrees are checked in ``parallel.validate_degrees`` (needs
+    the model's head counts, ``models.describe``).
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
     if cfg.training.mixed_precision == "auto":  # not through to_run_config (a RunConfig built in code)
         cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
-    from qwen3_research.models.flavors import flavors_for  # light import: no torch
 
     # One rule for every number: NaN and inf pass the comparisons below (nan <= 0 is False) and then fail
     # deep in a run, or not at all (weight_decay=nan trained into NaN weights). No key takes inf.
     bad = _non_finite(cfg, "")
     if bad:
         raise ConfigError(f"{bad} is not a finite number; every numeric key needs one (no nan or inf)")
-    m = cfg.model
-    _choice("model.backend", m.backend, {"native", "native_moe", "hf"})
-    _choice("model.attention", m.attention, {"sdpa", "flex"})
-    if m.backend == "hf":
-        if not m.path:
-            raise ConfigError("model.path is required with model=hf: a local HF directory or a Hub id")
-        if m.init_from:
-            raise ConfigError("model.init_from is for model=native|native_moe; with model=hf use model.path")
-    else:
-        from qwen3_research.models.flavors import FROM_CHECKPOINT
-
-        known = flavors_for(m.backend)
-        if m.flavor not in known and not (m.flavor in FROM_CHECKPOINT and m.init_from) and m.flavor != "auto":
-            raise ConfigError(f"model.flavor={m.flavor!r} is not a {m.backend} flavor; choose one of {known}")
+    # The model backend's own rules (its name, flavor, model.path / model.init_from) are its spec's:
+    # qwen3_research.models.check, which every entry point runs right after this.
+    _choice("model.attention", cfg.model.attention, {"sdpa", "flex"})
 
     p = cfg.parallelism
     if p.nproc_per_node == 0 or p.nproc_per_node < -1:

@@ -24,7 +24,7 @@ from qwen3_research.config import ConfigError
 
 # -- peak FLOP/s per rank ------------------------------------------------------------------
 # GPUs: the dense bf16 peak comes from torchtitan's own table (``titan.gpu_peak_flops``, which
-# tells H100 SXM / PCIe / NVL apart). Plain fp32 matmuls do not run on the tensor cores unless
+# tells H100 SXM / PCIe / NVL apart; the Trainer hands it to ``Device``: device sits below titan). Plain fp32 matmuls do not run on the tensor cores unless
 # TF32 is enabled (torch.backends.cuda.matmul.allow_tf32 / torch.set_float32_matmul_precision),
 # so an fp32 run is measured against the fp32 (CUDA-core) peak, keyed by the bf16 peak the table
 # returned. NVIDIA datasheets (dense, no sparsity): A100 19.5, H100 SXM / H200 67, H100 PCIe 51,
@@ -296,8 +296,11 @@ def _read_vm_hwm() -> int | None:
 class Device:
     """Facts and actions for one process's device."""
 
-    def __init__(self, device_type: str, local_rank: int = 0, lnc: int | None = None):
+    def __init__(self, device_type: str, local_rank: int = 0, lnc: int | None = None, *, gpu_peak_table=None):
+        """``gpu_peak_table``: CUDA device name -> dense bf16 peak FLOP/s (``titan.gpu_peak_flops``, torchtitan's
+        table); without it a GPU's bf16 peak is measured (``measure_matmul_peak``)."""
         self.type = device_type
+        self._gpu_peak_table = gpu_peak_table
         self.local_rank = local_rank
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
@@ -423,9 +426,10 @@ class Device:
 
     def _lookup_peak(self, dtype: torch.dtype, key: str) -> float:
         if self.type == "cuda":
-            from qwen3_research import titan
-
-            bf16 = titan.gpu_peak_flops(torch.cuda.get_device_name(self.torch_device))
+            if self._gpu_peak_table is not None:
+                bf16 = self._gpu_peak_table(torch.cuda.get_device_name(self.torch_device))
+            else:
+                bf16 = measure_matmul_peak(self.torch_device, torch.bfloat16)
             if key == "bf16":
                 return bf16
             if key == "tf32":

@@ -8,9 +8,9 @@ mode), then one fix per missing piece. Takes the same overrides as a run (``devi
 
 Exit status: 0 when that run can start, 1 when something is missing (each with its fix), 2 on a
 configuration error in the overrides. ``--run`` then performs the first-hardware check: a 2-step tiny
-run per model backend (native, native_moe, hf on a small checkpoint written to a temp dir) on this
-device and ``verify_kernels`` for every kernel option that can run here, each pass/fail with its
-time; any failure makes the exit status 1.
+run per model backend (native, native_moe, hf on a small checkpoint written to a temp dir: each backend's
+``smoke_overrides``) on this device and ``verify_kernels`` for every kernel option that can run here,
+each pass/fail with its time; any failure makes the exit status 1.
 
 On a Trainium run (``device=neuron``, or ``auto`` where TorchNeuron is installed) it also checks the host as
 the first hour on a trn2 needs it (``neuron_host.host_checks``): ``neuron-ls`` (devices, cores, processes already
@@ -76,17 +76,6 @@ def _child(code: str, env: dict | None = None, timeout: float = 600) -> tuple[bo
     return proc.returncode == 0, out if proc.returncode == 0 else err
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR
-    from qwen3_research.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def kernel_options(device_type: str, lnc: int | None = None) -> dict[str, str]:
     """Every conf/kernels option -> '' if it can run on this host's ``device_type``, else why not."""
     return {o: why for o, (why, _) in _kernel_options(device_type, lnc).items()}
@@ -103,11 +92,10 @@ def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple
     start-up), and whether verify_kernels has a check for it."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.__main__ import CONF_DIR
-    from qwen3_research.kernels import load
-    from qwen3_research.kernels.registry import kernel_support
+    from qwen3_research.compose import CONF_DIR
+    from qwen3_research.kernels import KERNELS as kernels
+    from qwen3_research.kernels import kernel_support
 
-    kernels = load()
     out = {}
     for path in sorted(Path(CONF_DIR, "kernels").glob("*.yaml")):
         entries = OmegaConf.load(path).get("entries") or []
@@ -145,17 +133,17 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     if not torch_v:
         return rows, ctx
 
-    try:
-        cfg = _compose(overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
-        from qwen3_research.__main__ import format_compose_error
+    from qwen3_research.compose import compose
+    from qwen3_research.errors import ConfigError
 
-        raise SystemExit(_config_exit(format_compose_error(e)))
+    try:
+        cfg = compose(overrides)
+    except ConfigError as e:
+        raise SystemExit(_config_exit(f"config error: {e}"))
     import torch
 
     from qwen3_research import device as devices
     from qwen3_research.config import to_run_config, validate
-    from qwen3_research.errors import ConfigError
 
     rc = to_run_config(cfg)
     requested = rc.device.type
@@ -302,30 +290,6 @@ def format_table(rows: list[Row], title: str) -> str:
 
 
 # -- --run: the first-hardware check ---------------------------------------------------------------
-def write_tiny_hf_checkpoint(out: Path) -> Path:
-    """A random 2-layer Qwen3 checkpoint (save_pretrained) with the Qwen3 tokenizer files beside it."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from qwen3_research.data import tokenizer_path
-
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                      max_position_embeddings=4096)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
-    tok_dir = tokenizer_path("qwen3").parent
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-        if (tok_dir / name).exists():
-            shutil.copyfile(tok_dir / name, out / name)
-    return out
-
-
 def _timed(cmd: list[str], timeout: float) -> tuple[bool, float, str]:
     t0 = time.perf_counter()
     try:
@@ -345,20 +309,19 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     the tiny flavors are refused: docs/KERNELS.md); elsewhere the small CPU shapes."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.__main__ import CONF_DIR
-    from qwen3_research.kernels import load
+    from qwen3_research.compose import CONF_DIR
+    from qwen3_research.kernels import KERNELS, kernel_replaces
 
-    kernels = load()
     names = [e.name for e in OmegaConf.load(Path(CONF_DIR, "kernels", f"{option}.yaml")).get("entries") or []]
-    moe = any("GroupedExperts" in kernels[n].module_types for n in names if n in kernels)  # an expert kernel
+    moe = any(kernel_replaces(n, "GroupedExperts") for n in names)  # an expert kernel
     args = [f"model={'native_moe' if moe else 'native'}"]
     if device == "neuron":
         args += [f"data.seq_len={128 * (lnc or 2)}", "data.batch_size=1"]
-        if moe and any(n.startswith("nki") for n in names):
-            args.append("model.flavor=nki_debug")
     else:
         args += ["data.seq_len=32", "data.batch_size=2"]
-    return args
+    # what each kernel's spec asks for on this device (Requirements.verify_overrides)
+    extra = [o for n in names if n in KERNELS for o in KERNELS[n].requirements.verify_overrides.get(device, ())]
+    return args + list(dict.fromkeys(extra))
 
 
 def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
@@ -366,10 +329,14 @@ def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800)
     if ctx["device"] == "neuron":  # one process, one NeuronCore per check (device.prepare_neuron_cores)
         run_overrides = [o for o in run_overrides if not o.startswith("parallelism")] + ["parallelism=single",
                                                                                           "parallelism.nproc_per_node=1"]
+    from qwen3_research.models import registry
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen3_doctor_") as tmp:
-        hf_dir = write_tiny_hf_checkpoint(Path(tmp) / "hf_tiny")
-        for backend, extra in (("native", []), ("native_moe", []), ("hf", [f"model.path={hf_dir}"])):
+        # every shipped backend; those that load a checkpoint (written here by their smoke_overrides) last
+        specs = sorted((registry.get(n) for n in registry.in_tree()), key=lambda s: (s.takes_path, s.name))
+        for spec in specs:
+            backend, extra = spec.name, spec.smoke_overrides(Path(tmp))
             cmd = [sys.executable, "-m", "qwen3_research", f"model={backend}", *extra, *TINY_RUN, *run_overrides,
                    f"hydra.run.dir={Path(tmp) / ('run_' + backend)}"]
             ok, dt, msg = _timed(cmd, timeout)

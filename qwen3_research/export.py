@@ -104,15 +104,18 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
 def _use_init_from(rc, path: Path, init_from: str | None) -> None:
     """The base model directory the architecture (config.json) and tokenizer come from: ``--init-from`` when
     given, else the one recorded at training time, which must still exist."""
+    from qwen3_research import models
+
     recorded = rc.model.init_from
+    takes_init_from = models.spec(rc.model).takes_init_from
     if init_from is not None:
-        if rc.model.backend == "hf" or not recorded:
+        if not takes_init_from or not recorded:
             raise ConfigError(f"--init-from: checkpoint {path} was not trained from model.init_from (model="
                               f"{rc.model.backend}); export it without --init-from")
         if not Path(os.path.expanduser(init_from)).is_dir():
             raise ConfigError(f"--init-from {init_from}: no such directory")
         rc.model.init_from = str(Path(os.path.expanduser(init_from)).resolve())
-    elif recorded and rc.model.backend != "hf" and not Path(os.path.expanduser(recorded)).is_dir():
+    elif recorded and takes_init_from and not Path(os.path.expanduser(recorded)).is_dir():
         raise ConfigError(f"checkpoint {path} was trained from model.init_from={recorded!r}, which is no longer a "
                           "directory (moved or deleted); pass --init-from DIR with that base model's new location")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from qwen3_research import slurm
 from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.signals import Interrupted, Terminated, signal_number
@@ -32,10 +33,10 @@ def under_torchrun() -> bool:
 
 def _writes_run_files() -> bool:
     """summary.json comes from rank 0 under torchrun, and from the first node of a Slurm job."""
-    return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and os.environ.get("SLURM_NODEID", "0") == "0"
+    return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and slurm.node_rank() == 0
 
 
-def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 300.0) -> list[str]:
+def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
     Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
@@ -54,10 +55,9 @@ def torchrun_overrides(overrides: list[str], conf_dir: str, timeout_s: float = 3
                           is_master=False, timeout=timedelta(seconds=timeout_s))
     key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
-        from hydra import compose, initialize_config_dir
+        from qwen3_research.compose import compose
 
-        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        cfg = compose(overrides, return_hydra_config=True)
         run_dir = os.path.abspath(str(cfg.hydra.run.dir))
         store.set(key, run_dir)
     else:
@@ -201,7 +201,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
         min_nodes=p.nnodes,
         max_nodes=p.nnodes,
         nproc_per_node=p.nproc_per_node,
-        run_id=os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12],
+        run_id=slurm.job_id() or uuid.uuid4().hex[:12],
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
@@ -279,7 +279,7 @@ def check_kernels_without_device(rc: RunConfig) -> None:
 def _resume_when_requeued(resolved: dict) -> dict:
     """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its
     run dir's latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0 and not resolved["checkpoint"].get("resume"):
+    if slurm.restart_count() > 0 and not resolved["checkpoint"].get("resume"):
         resolved["checkpoint"]["resume"] = "auto"
     return resolved
 
@@ -287,7 +287,7 @@ def _resume_when_requeued(resolved: dict) -> dict:
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
         swept: dict | None = None, prediction: dict | None = None) -> dict:
     """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import models, titan
+    from qwen3_research import models
     from qwen3_research.parallel import validate_degrees
 
     from qwen3_research.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
@@ -300,11 +300,12 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         # training.mixed_precision=auto resolved here, so the workers, summary.json and W&B get the value used
         resolved = _resume_when_requeued(resolve_auto_settings(OmegaConf.to_container(cfg, resolve=True)))
         rc = validate(to_run_config(resolved))
+        models.check(rc.model)  # the model backend's own rules (its spec)
         from qwen3_research.device import prepare_launch
 
         prepare_launch(rc)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved in rc
         degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
-        titan.check_supported(rc)  # what the installed torchtitan cannot run, before any worker starts
+        models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
         batch_size = resolve_batch_size(rc, degrees.dp)
         if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
             refused = True  # until this process owns the run dir, a refusal writes nothing there

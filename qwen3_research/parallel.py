@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from qwen3_research import slurm
 from qwen3_research.config import ConfigError, ParallelismConfig
 
 
@@ -113,7 +114,7 @@ def validate_degrees(
             )
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun (and in our workers) the group has met already
         check_rendezvous_endpoint(p)
-    if (p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and "SLURM_JOB_NODELIST" not in os.environ
+    if (p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and slurm.job_nodelist() is None
             and "TORCHELASTIC_RUN_ID" not in os.environ):  # torchrun has already met the other nodes
         raise ConfigError(
             f"parallelism.nnodes={p.nnodes} needs parallelism.rdzv_endpoint=<head node>:<port> reachable from "
@@ -179,28 +180,10 @@ def rendezvous(p: ParallelismConfig) -> tuple[str, str, dict]:
     others within ``parallelism.rdzv_timeout_s`` fails.
     """
     timeout = int(p.rdzv_timeout_s)
-    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and os.environ.get("SLURM_JOB_NODELIST"):
-        first = slurm_node_names(os.environ["SLURM_JOB_NODELIST"])[0]
-        port = int(p.rdzv_endpoint.rsplit(":", 1)[1] or 0) or 29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000
-        endpoint = f"{slurm_node_addr(first)}:{port}"
-        return "static", endpoint, {"rank": int(os.environ.get("SLURM_NODEID", "0")), "timeout": timeout}
+    if p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and slurm.job_nodelist():
+        endpoint = slurm.head_node_endpoint(int(p.rdzv_endpoint.rsplit(":", 1)[1] or 0))
+        return "static", endpoint, {"rank": slurm.node_rank(), "timeout": timeout}
     return "c10d", p.rdzv_endpoint, {"join_timeout": timeout, "read_timeout": timeout}
-
-
-def slurm_node_names(nodelist: str) -> list[str]:
-    import subprocess
-
-    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                          check=True, timeout=60).stdout.split()
-
-
-def slurm_node_addr(name: str) -> str:
-    """The address Slurm reaches node ``name`` at (``NodeAddr``; the name itself when Slurm has none)."""
-    import subprocess
-
-    out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=60).stdout
-    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-    return fields.get("NodeAddr") or name
 
 
 def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bool = False):
@@ -309,7 +292,7 @@ def keep_embeddings_tied_through_tp(model) -> None:
     """
     if not getattr(model, "enable_weight_tying", False) or "parallelize" in vars(model):
         return
-    if not hasattr(model, "parallelize"):  # torchtitan 0.2.x: TP is not a model method (titan.py re-ties)
+    if not hasattr(model, "parallelize"):  # torchtitan 0.2.x: TP is not a model method (titan/v02.py re-ties)
         return
     tp_parallelize = model.parallelize
 

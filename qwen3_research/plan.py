@@ -346,11 +346,11 @@ def evenly_sharded(model) -> bool:
 # -- the closed form ---------------------------------------------------------------------------
 def estimate(rc, degrees, facts: dict) -> dict:
     """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
-    from qwen3_research.models import get_flavor
+    from qwen3_research import models
 
-    if rc.model.backend == "hf":
+    f = models.architecture(rc.model)
+    if f is None:  # a backend without a closed form (model=hf)
         return {}
-    f = get_flavor(rc.model.backend, rc.model.flavor)
     d, hd, h, kv, v = f.dim, f.head_dim, f.n_heads, f.n_kv_heads, f.vocab_size
     attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
     ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
@@ -385,40 +385,6 @@ def estimate(rc, degrees, facts: dict) -> dict:
 
 
 # -- the whole plan ----------------------------------------------------------------------------
-def compose(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None) -> dict:
-    """The resolved run config for ``overrides``: conf/config.yaml, or ``config_name`` found on conf/ plus
-    ``searchpath`` (a sweep file given with ``--config-dir sweeps --config-name tp_seq``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from qwen3_research.__main__ import CONF_DIR, format_compose_error
-    from qwen3_research.errors import ConfigError
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    gh = GlobalHydra.instance()
-    outer = gh.hydra if gh.is_initialized() else None  # inside a running Hydra app (a sweep's callback)
-    if outer is not None:
-        gh.clear()
-    try:
-        # The first extra directory holds the named config (Hydra finds a primary config only there); conf/
-        # and the others are searched after it, as with the CLI's --config-dir.
-        first, extra = CONF_DIR, []
-        if searchpath:
-            first = searchpath[0].split("://", 1)[-1]
-            extra = [f"hydra.searchpath=[{','.join([*searchpath[1:], 'file://' + CONF_DIR])}]"]
-        with initialize_config_dir(config_dir=first, version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=[*extra, *overrides])
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
-        raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
-    finally:
-        if outer is not None:
-            GlobalHydra.instance().clear()
-            GlobalHydra.instance().initialize(outer)
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def capacity(rc) -> tuple[float, str]:
     if rc.device.memory_gib is not None:
         return float(rc.device.memory_gib), "device.memory_gib"
@@ -480,23 +446,9 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
         rp.estimate = est
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
-    flops = _flops_per_token(rc) * tokens
+    flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
     return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
                 planned_for="neuron" if elsewhere else None, kernel_lines=ranks[0].kernel_lines)
-
-
-def _flops_per_token(rc) -> float:
-    """torchtitan's formula (6 × active matmul params + attention), from the flavor; NaN for hf."""
-    from qwen3_research.models import get_flavor
-
-    if rc.model.backend == "hf":
-        return float("nan")
-    f = get_flavor(rc.model.backend, rc.model.flavor)
-    d, hd = f.dim, f.head_dim
-    attn = d * (f.n_heads + 2 * f.n_kv_heads) * hd + f.n_heads * hd * d
-    ffn = (f.top_k * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
-    matmul = f.n_layers * (attn + ffn) + f.vocab_size * d
-    return 6 * matmul + 12 * f.n_layers * f.n_heads * hd * rc.data.seq_len
 
 
 def render(plan: Plan) -> str:
@@ -541,6 +493,7 @@ def render(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qwen3_research.compose import compose_resolved
     from qwen3_research.errors import ConfigError
     from qwen3_research.startup import quiet_libraries
 
@@ -554,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
     argv = [a for a in argv if a not in ("--json", "--trace-all-roles")]
     try:
-        plan = make_plan(compose(argv), trace_all=trace_all)
+        plan = make_plan(compose_resolved(argv), trace_all=trace_all)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG

@@ -23,6 +23,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from qwen3_research import slurm
 from qwen3_research.errors import ConfigError
 
 LOCK_NAME = ".qwen3_research.lock"
@@ -195,7 +196,7 @@ def discard_earlier_run(rc, run_dir: Path) -> None:
 
 
 def _lock_info() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": slurm.job_id()}
 
 
 def _pid_alive(pid) -> bool:

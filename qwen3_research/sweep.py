@@ -11,6 +11,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qwen3_research.compose import compose_resolved, is_sweep_value
+
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
     out = {}
@@ -22,19 +24,6 @@ def parse_overrides(overrides: list[str]) -> dict[str, str]:
     return out
 
 
-_SWEEP_FUNCS = ("range(", "choice(", "interval(", "glob(", "tag(")
-
-
-def _is_sweep_value(value: str) -> bool:
-    depth = 0
-    for ch in value:
-        depth += ch in "[{("
-        depth -= ch in "]})"
-        if ch == "," and depth == 0:
-            return True
-    return value.startswith(_SWEEP_FUNCS)
-
-
 def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> set[str]:
     """Keys the sweep varies: the sweeper's params plus command-line overrides with sweep syntax."""
     keys = {str(k) for k in (sweeper_params or {})}
@@ -42,7 +31,7 @@ def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> se
         if arg.startswith("-") or "=" not in arg:
             continue
         key, _, value = arg.partition("=")
-        if _is_sweep_value(value):
+        if is_sweep_value(value):
             keys.add(key.lstrip("+~"))
     return keys
 
@@ -150,7 +139,7 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
 def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry."""
     from qwen3_research.errors import ConfigError
-    from qwen3_research.plan import compose, make_plan
+    from qwen3_research.plan import make_plan
 
     jobs = sweep_jobs(config)
     if not jobs:
@@ -165,7 +154,7 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     for num, job in enumerate(jobs):
         label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
         try:
-            plan = make_plan(compose(list(job), config_name=config_name, searchpath=searchpath))
+            plan = make_plan(compose_resolved(list(job), config_name=config_name, searchpath=searchpath))
             entry = plan.as_dict()
         except ConfigError as e:
             entry = {"error": f"config error: {e}"}

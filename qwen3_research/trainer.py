@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research import device as devices
-from qwen3_research import parallel
+from qwen3_research import parallel, titan
 from qwen3_research.config import RunConfig
 
 
@@ -59,7 +59,7 @@ class Trainer:
         # Device first: torchtitan must see it before its first import.
         device_type = devices.resolve_device_type(cfg.device.type)
         devices.prepare_torchtitan(device_type)
-        self.device = devices.Device(device_type, local_rank, cfg.device.lnc)
+        self.device = devices.Device(device_type, local_rank, cfg.device.lnc, gpu_peak_table=titan.gpu_peak_flops)
         self.device.reset_peak_memory()  # this run's peak, not an earlier run's in this process
         if self.world_size > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group(backend=self.device.dist_backend)

@@ -6,7 +6,7 @@ reference on random inputs of the run's shapes (batch × seq_len tokens, heads, 
 forward and backward. Prints max abs and rel error per kernel with PASS/FAIL against the stated
 tolerance. Exit status: 0 all pass, 1 a kernel fails or nothing was verified (an entry that matches
 no module of the model, or no kernel to check), 2 a configuration error -- among them a kernel that
-cannot run here, found by the same checks a run makes (``titan.check_supported``, then
+cannot run here, found by the same checks a run makes (``models.check_run``: ``titan.check_supported``, then
 ``kernels.resolve``: the device, LNC and package checks of ``kernels.registry.kernel_support`` and the
 model's shapes).
 """
@@ -17,20 +17,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR, format_compose_error
-    from qwen3_research.config import ConfigError, register_configs, to_run_config, validate
+    from qwen3_research.compose import compose
+    from qwen3_research.config import ConfigError, to_run_config, validate
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # a kernel entry that matches nothing: one warning line
-    register_configs()
     overrides = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except Exception as e:  # noqa: BLE001
-        print(format_compose_error(e), file=sys.stderr)
+        cfg = compose(overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
         rc = validate(to_run_config(cfg))
@@ -43,24 +39,24 @@ def main(argv: list[str] | None = None) -> int:
             devices.prepare_neuron_cores(1)  # one process: one NeuronCore, not every core of the host
         device_type = devices.resolve_device_type(rc.device.type)
         if devices.validate_only():  # test hook (device.py): the checks below, on a meta-device model
-            from qwen3_research import titan
+            from qwen3_research import models
             from qwen3_research.launch import check_kernels_without_device
 
-            titan.check_supported(rc)
+            models.check_run(rc)
             check_kernels_without_device(rc)
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
-        from qwen3_research import models, titan
+        from qwen3_research import models
         from qwen3_research.kernels import apply_overrides
         from qwen3_research.kernels.registry import KERNELS, entry_labels
         from qwen3_research.kernels.verify import verify_plan
 
-        # The checks a run makes: the torchtitan check before any worker starts (launch.run), then in
+        # The checks a run makes: the backend's run checks before any worker starts (launch.run), then in
         # the worker the overrides' own (resolve: kernel_support's device/LNC/package checks and the
         # model's shapes), so a kernel that cannot run here is the same one-line config error as in a run.
-        titan.check_supported(rc)
+        models.check_run(rc)
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
         rc.kernels.verify = False  # verify once, below
         plan = apply_overrides(backend.model, rc, device)

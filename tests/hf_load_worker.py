@@ -51,13 +51,10 @@ class PeakSampler:
 
 def main() -> None:
     out, ref_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import compose_resolved
     from qwen3_research.config import to_run_config
-    from qwen3_research.models import native
+    from qwen3_research.models import native_model as native
     from qwen3_research.trainer import RunInfo, Trainer
-    from omegaconf import OmegaConf
 
     measured = {}
     original = native.NativeQwen3.materialize
@@ -70,9 +67,7 @@ def main() -> None:
         measured.update(start=s.start, peak=s.peak)
 
     native.NativeQwen3.materialize = materialize
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = compose_resolved(overrides)
     run_dir = os.path.dirname(out)
     trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
     ref = torch.load(ref_path, weights_only=True)

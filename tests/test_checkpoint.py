@@ -36,7 +36,7 @@ def native_logits_from_checkpoint(step_dir: Path, inputs: torch.Tensor) -> torch
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models.native_model import NativeQwen3
 
     backend = NativeQwen3(ModelConfig(backend="native", flavor="tiny"), torch.device("cpu"), 32, seed=123)
     params = {n: p.detach() for n, p in backend.model.named_parameters()}
@@ -167,7 +167,7 @@ def test_shape_check_reads_the_saved_tensors(straight):
     from qwen3_research.config import ConfigError, ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models.native_model import NativeQwen3
 
     other = NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0)
     with pytest.raises(ConfigError, match=r"holds another model shape .*model tensors not in the checkpoint") as e:

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from qwen3_research.__main__ import CONF_DIR
+from qwen3_research.compose import CONF_DIR
 from qwen3_research.config import ConfigError, RunConfig, register_configs, validate
 from tests.conftest import run_cli
 
@@ -82,7 +82,7 @@ def test_group_options_extend_their_schema(tmp_path):
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         with pytest.raises(Exception) as e:
             compose(config_name="config", overrides=["model=typo"])
-    from qwen3_research.__main__ import format_compose_error
+    from qwen3_research.compose import format_compose_error
 
     line = format_compose_error(e.value)
     assert "flavr" in line and "\n" not in line, line
@@ -262,7 +262,7 @@ def test_a_misspelled_key_in_an_experiment_preset_fails_at_compose_time(tmp_path
     """A global preset is typed by the run schema like any option: one line naming the key."""
     import shutil
 
-    from qwen3_research.__main__ import format_compose_error
+    from qwen3_research.compose import format_compose_error
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qwen3_research import device as devices
+from qwen3_research import titan
 from qwen3_research.errors import ConfigError
 from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
 
@@ -188,12 +189,12 @@ def test_gpu_peaks_by_name_and_dtype(monkeypatch, tmp_path, name, bf16, fp32, tf
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
     assert devices.tf32_enabled() is False  # PyTorch's default, which this project keeps
-    dev = devices.Device("cuda", 0)
+    dev = devices.Device("cuda", 0, gpu_peak_table=titan.gpu_peak_flops)  # as the Trainer builds it
     assert dev.peak_flops(torch.bfloat16) == bf16
     assert dev.peak_dtype(torch.float32) == "fp32"
     assert dev.peak_flops(torch.float32) == fp32
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # what enabling TF32 sets
-    tf = devices.Device("cuda", 0)
+    tf = devices.Device("cuda", 0, gpu_peak_table=titan.gpu_peak_flops)
     assert tf.peak_dtype(torch.float32) == "tf32"
     assert tf.peak_flops(torch.float32) == tf32
 

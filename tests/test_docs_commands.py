@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from qwen3_research.compose import CONF_DIR
 from tests.conftest import ROOT, cli_env, run_cli
 from tests.neuron_host_double import trn2_host
 
@@ -178,7 +179,7 @@ def test_the_docs_list_every_step_and_preset():
     """The parse found the first-hour steps, both presets planned at 24 GiB per rank, and the kernel commands on
     the kernel-sized MoE flavor; then the list of every command and its verdict so far (run with -s)."""
     lines = [c.line for c in PROJECT]
-    for preset in sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")):
+    for preset in sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")):
         assert f"python -m qwen3_research.plan experiment={preset} device.memory_gib=24" in lines, preset
         assert f"python -m qwen3_research experiment={preset}" in lines, preset
     assert any("kernels=nki_moe" in ln and "model.flavor=nki_debug" in ln and "verify_kernels" in ln for ln in lines)

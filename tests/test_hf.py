@@ -46,14 +46,10 @@ def write_hf_checkpoint(out: Path, moe: bool, seed: int = 0, **overrides) -> Pat
 
 def run_in_process(overrides: list[str], run_dir: Path) -> dict:
     """One run through the launcher's real path (validate, preflight, Trainer), in this process."""
-    from hydra import compose, initialize_config_dir
-
-    from qwen3_research.__main__ import CONF_DIR
+    from qwen3_research.compose import compose
     from qwen3_research.launch import run
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return run(cfg, str(run_dir))
+    return run(compose(overrides), str(run_dir))
 
 
 def tree_digest(path: Path) -> str:
@@ -231,9 +227,9 @@ def test_hf_flops_per_token_equals_torchtitans(moe):
     devices.prepare_torchtitan("cpu")
     from qwen3_research.hf_interop.config import hf_config_fields
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.flavors import get_flavor
-    from qwen3_research.models.hf import hf_flops_per_token
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models import get_flavor
+    from qwen3_research.models.hf_model import hf_flops_per_token
+    from qwen3_research.models.native_model import NativeQwen3
 
     backend = "native_moe" if moe else "native"
     native = NativeQwen3(ModelConfig(backend=backend, flavor="tiny"), torch.device("cpu"), 64, 0)

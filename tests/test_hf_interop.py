@@ -79,8 +79,9 @@ def odd_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", list(ODD))
 def test_native_init_from_matches_hf_on_odd_architectures(odd_dirs, name):
-    from qwen3_research.models import flavors, resolve_flavor
     from qwen3_research.config import ModelConfig
+    from qwen3_research.models import flavors
+    from qwen3_research.models.native import resolve_flavor
 
     moe, _ = ODD[name]
     backend_name = "native_moe" if moe else "native"
@@ -102,7 +103,7 @@ def test_native_init_from_matches_hf_on_odd_architectures(odd_dirs, name):
         print(f"\n[{name}] native init_from vs model=hf max |logit diff| ({what}) = {diff:.2e} (tol {tol:g})")
         assert diff < tol
     # Control: the same architecture with our own seeded init is far from the checkpoint (weights really loaded).
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models.native_model import NativeQwen3
 
     rand = NativeQwen3(ModelConfig(backend=backend_name, flavor="auto", init_from=str(odd_dirs[name])),
                        torch.device("cpu"), 32, 1, flavor=arch)
@@ -121,7 +122,7 @@ def test_rope_table_sized_by_seq_len_not_max_position_embeddings(odd_dirs):
 
 def test_explicit_flavor_that_disagrees_names_the_fields(odd_dirs):
     from qwen3_research.config import ConfigError, ModelConfig
-    from qwen3_research.models import resolve_flavor
+    from qwen3_research.models.native import resolve_flavor
 
     with pytest.raises(ConfigError) as e:
         resolve_flavor(ModelConfig(backend="native", flavor="tiny", init_from=str(odd_dirs["rope5e6_262k"])))

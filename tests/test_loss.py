@@ -24,14 +24,9 @@ BASE = [o for o in FAST if not o.startswith("training.steps")] + ["training.step
 
 
 def _compose(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from qwen3_research.compose import compose_resolved
 
-    from qwen3_research.__main__ import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return compose_resolved(overrides)
 
 
 def loss_and_grads(overrides: list[str], run_dir: str) -> tuple[dict, dict]:

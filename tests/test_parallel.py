@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from qwen3_research import models
-from qwen3_research.__main__ import CONF_DIR
+from qwen3_research.compose import CONF_DIR
 from qwen3_research.config import ConfigError, ParallelismConfig, RunConfig, register_configs
 from qwen3_research.parallel import validate_degrees
 from tests.conftest import ROOT, assert_ok, cli_env, read_metrics, run_cli, train_losses

@@ -1,9 +1,11 @@
-"""The package as a package: the import graph (only titan.py imports torchtitan; no cycles) and
-``pip install -e . --no-deps`` on the Pythons torch-neuronx 2.14 supports (3.12, 3.13)."""
+"""The package as a package: the import graph (only the torchtitan adapter, qwen3_research.titan.*, imports
+torchtitan; no cycles), the adapter's two API modules, ``pip install -e . --no-deps`` on the Pythons
+torch-neuronx 2.14 supports (3.12, 3.13), and a non-editable install that runs the CLI."""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -54,10 +56,15 @@ def our_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
+def in_adapter(name: str) -> bool:
+    """The torchtitan adapter: the facade qwen3_research.titan and its modules (common, v02, v03)."""
+    return name == "qwen3_research.titan" or name.startswith("qwen3_research.titan.")
+
+
 def torchtitan_importers(files: dict[str, Path]) -> list[str]:
     return [
         f"{name}:{line} imports {mod}"
-        for name, p in files.items() if name != "qwen3_research.titan"
+        for name, p in files.items() if not in_adapter(name)
         for mod, line, _ in imports(p, name) if mod == "torchtitan" or mod.startswith("torchtitan.")
     ]
 
@@ -92,14 +99,31 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_only_titan_imports_torchtitan():
-    """Every import statement of the package, function-level ones included: torchtitan only in titan.py."""
+    """Every import statement of the package, function-level ones included: torchtitan only in the adapter
+    (qwen3_research.titan.*); the rest of the package imports the facade, never its modules."""
     mods = our_modules()
     offenders = torchtitan_importers(mods)
-    titan_imports = {m for m, _, _ in imports(PKG / "titan.py") if m.startswith("torchtitan")}
-    print(f"\n{len(mods)} modules scanned; titan.py imports {len(titan_imports)} torchtitan names; "
-          f"other modules: {offenders or 'none'}")
-    assert len(mods) > 20 and titan_imports  # the scan sees function-level imports (titan.py has only those)
-    assert offenders == []
+    titan_imports = {m for name, p in mods.items() if in_adapter(name)
+                     for m, _, _ in imports(p, name) if m.startswith("torchtitan")}
+    past_facade = [f"{name} imports {m}" for name, p in mods.items() if not in_adapter(name)
+                   for m, _, _ in imports(p, name) if m.startswith("qwen3_research.titan.")]
+    print(f"\n{len(mods)} modules scanned; qwen3_research.titan.* imports {len(titan_imports)} torchtitan names; "
+          f"other modules: {offenders or 'none'}; past the facade: {past_facade or 'none'}")
+    assert len(mods) > 20 and titan_imports  # the scan sees function-level imports (the adapter has only those)
+    assert offenders == [] and past_facade == []
+
+
+def test_titan_api_modules_provide_the_same_names():
+    """The facade binds one API module per process (v03 or v02): both define every name of titan.API, and
+    the facade re-exports them, so the rest of the package runs on either torchtitan."""
+    from qwen3_research import titan
+    from qwen3_research.titan import v02, v03
+
+    missing = {m.__name__: [n for n in titan.API if not callable(getattr(m, n, None))] for m in (v02, v03)}
+    unbound = [n for n in titan.API if n != "unpadded_experts_forward" and getattr(titan, n) is not getattr(titan.api, n)]
+    print(f"\n{len(titan.API)} API names; bound to {titan.api.__name__} (legacy={titan.legacy()}); "
+          f"missing: {missing}; not re-exported: {unbound or 'none'}")
+    assert missing == {"qwen3_research.titan.v02": [], "qwen3_research.titan.v03": []} and unbound == []
 
 
 def test_no_import_cycles_between_modules():
@@ -160,3 +184,39 @@ def test_editable_install_without_deps(version, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     ver, dist, path = out.stdout.split()
     assert ver.startswith(version + ".") and dist == "0.1.0" and path.startswith(str(src))
+
+
+@pytest.mark.slow
+def test_non_editable_install_runs_the_cli(tmp_path):
+    """``pip install . --no-deps`` as a regular (non-editable) install: the package is copied, ``conf/`` with it
+    as package data. The project's interpreter (it has the dependencies) then runs ``python -m qwen3_research
+    training.steps=2`` from a directory outside any checkout with only that install on PYTHONPATH: the run
+    composes the shipped configs (compose.CONF_DIR inside the installed package) and trains."""
+    from tests.conftest import cli_env
+
+    src, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
+    src.mkdir()
+    elsewhere.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(PKG, src / "qwen3_research", ignore=shutil.ignore_patterns("__pycache__"))
+    # An isolated build (setuptools>=68 as pyproject.toml asks, like the editable test above) into a target dir
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                           str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shipped = sorted(p.relative_to(target).as_posix() for p in (target / "qwen3_research" / "conf").rglob("*.yaml"))
+    env = cli_env(PYTHONPATH=str(target))
+    where = subprocess.run([sys.executable, "-c", "import qwen3_research.compose as c; print(c.CONF_DIR)"],
+                           capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env)
+    run_dir = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "qwen3_research", "training.steps=2", "data.seq_len=32",
+                          "data.batch_size=2", "training.eval_every=0", "logging.print_config=false",
+                          "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
+                         capture_output=True, text=True, timeout=600, cwd=elsewhere, env=env)
+    print(f"\n{len(shipped)} config files installed (e.g. {shipped[0]}); CONF_DIR={where.stdout.strip()}; "
+          f"run: exit {run.returncode}, {(run.stdout.strip().splitlines() or [''])[-1][:100]}")
+    assert where.returncode == 0 and where.stdout.strip() == str(target / "qwen3_research" / "conf"), where.stderr
+    assert "qwen3_research/conf/config.yaml" in shipped and len(shipped) >= 30
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 2

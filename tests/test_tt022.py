@@ -33,7 +33,7 @@ def _backend(flavor_backend: str, seed: int):
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native import NativeQwen3
+    from qwen3_research.models.native_model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend=flavor_backend, flavor="tiny"), torch.device("cpu"), 32, seed=seed)
 
@@ -259,8 +259,10 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
     from qwen3_research.models import build
 
     device, dbl = _simulated_neuron(monkeypatch)
+    from qwen3_research.compose import compose_resolved
+
     rc = RunConfig()
-    composed = __import__("qwen3_research.plan", fromlist=["compose"]).compose(
+    composed = compose_resolved(
         [f"kernels={option}", "data.seq_len=256", "data.batch_size=1", "training.mixed_precision=bf16",
          *(["model=native_moe", "model.flavor=nki_debug"] if option == "nki_moe" else [])])
     from qwen3_research.config import to_run_config

@@ -5,6 +5,6 @@
 - ``hf_interop.export``: a trained model -> a verified HF directory.
 - ``preflight``: what the launcher checks before any worker starts.
 
-Imports only ``errors``, ``models.flavors``-free helpers and (lazily) ``titan``/``models``;
-``checkpoint.py`` (distributed checkpoints) and ``export.py`` (the command) import this, never the reverse.
+Imports ``errors``, ``models.registry`` (a backend's HF model_type and MoE-ness, from its spec), ``kernels``
+(which kernels replace the experts) and, lazily, ``titan``/``models``; ``checkpoint.py`` (distributed checkpoints) and ``export.py`` (the command) import this, never the reverse.
 """

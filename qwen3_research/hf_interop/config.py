@@ -20,11 +20,12 @@ import struct
 from pathlib import Path
 
 from qwen3_research.errors import ConfigError
+from qwen3_research.models import registry
 
 # Architectures are ``models.flavors.Flavor`` objects, read by attribute here; this module builds only
-# their fields (``architecture_fields``), so it imports nothing above errors.py.
+# their fields (``architecture_fields``). Which config.json ``model_type`` a backend reads, and whether it is
+# a MoE, its spec says (``models.registry``: hf_model_type, moe); the registry imports no model code.
 
-MODEL_TYPE = {"native": "qwen3", "native_moe": "qwen3_moe"}
 INDEX = "model.safetensors.index.json"
 # Fields an architecture cannot do without (the rest have transformers' Qwen3Config defaults).
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -71,24 +72,26 @@ def rope_of(cfg: dict, where: str) -> tuple[float, str]:
     return float(10000.0 if theta is None else theta), rope_type
 
 
-def architecture_fields(hf_dir: str, backend: str, what: str = "model.init_from") -> dict:
+def architecture_fields(hf_dir: str, backend, what: str = "model.init_from") -> dict:
     return fields_from_config(read_hf_config(hf_dir, what), backend, _where(hf_dir, what))
 
 
-def fields_from_config(cfg: dict, backend: str, where: str) -> dict:
+def fields_from_config(cfg: dict, backend, where: str) -> dict:
     """The Flavor fields a Qwen3 / Qwen3-MoE config.json describes; a one-line error for what we cannot build."""
     if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
         cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 writes num_local_experts
-    want = MODEL_TYPE[backend]
+    spec = registry.get(backend) if isinstance(backend, str) else backend  # a name, or the BackendSpec itself
+    backend, moe = spec.name, spec.moe
+    want = spec.hf_model_type
     got = cfg.get("model_type")
     if got != want:
         arch = ",".join(cfg.get("architectures") or []) or "?"
-        other = {v: k for k, v in MODEL_TYPE.items()}.get(got)
+        other = next((n for n in registry.in_tree() if registry.get(n).hf_model_type == got), None) if got else None
         hint = f"use model={other}" if other else "use model=hf model.path=... for other architectures"
         raise ConfigError(f"{where}: config.json is model_type={got!r} ({arch}) but model={backend} needs "
                           f"model_type={want!r}; {hint}")
     absent = [k for k in REQUIRED + (("moe_intermediate_size", "num_experts", "num_experts_per_tok")
-                                     if backend == "native_moe" else ("intermediate_size",)) if cfg.get(k) is None]
+                                     if moe else ("intermediate_size",)) if cfg.get(k) is None]
     if absent:
         raise ConfigError(f"{where}: config.json lacks {', '.join(absent)}")
     unsupported = []
@@ -98,7 +101,7 @@ def fields_from_config(cfg: dict, backend: str, where: str) -> dict:
         unsupported.append("attention_bias=true (Qwen3 projections have no bias)")
     if cfg.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={cfg['hidden_act']!r} (SwiGLU with silu only)")
-    if backend == "native_moe":
+    if moe:
         if cfg.get("decoder_sparse_step", 1) != 1:
             unsupported.append(f"decoder_sparse_step={cfg['decoder_sparse_step']!r} (every layer MoE: 1 only)")
         if cfg.get("mlp_only_layers"):
@@ -119,7 +122,7 @@ def fields_from_config(cfg: dict, backend: str, where: str) -> dict:
     )
     if kw["n_heads"] % kw["n_kv_heads"]:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kw['n_kv_heads']}")
-    if backend == "native_moe":
+    if moe:
         return dict(**kw, hidden_dim=int(cfg["moe_intermediate_size"]), num_experts=int(cfg["num_experts"]),
                     top_k=int(cfg["num_experts_per_tok"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     return dict(**kw, hidden_dim=int(cfg["intermediate_size"]))
@@ -134,8 +137,10 @@ _HF_NAME = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "n
             "tie_embeddings": "tie_word_embeddings", "rms_norm_eps": "rms_norm_eps", "norm_topk_prob": "norm_topk_prob"}
 
 
-def check_named_flavor(name: str, named, arch, where: str, backend: str) -> None:
-    """An explicit model.flavor must be the architecture config.json describes; name every differing field."""
+def check_named_flavor(name: str, named, arch, where: str, backend) -> None:
+    """An explicit model.flavor must be the architecture config.json describes; name every differing field.
+    ``backend``: its name or its ``BackendSpec``."""
+    moe = (registry.get(backend) if isinstance(backend, str) else backend).moe
     differ = []
     for f in _COMPARED:
         a, b = getattr(arch, f), getattr(named, f)
@@ -143,7 +148,7 @@ def check_named_flavor(name: str, named, arch, where: str, backend: str) -> None
             continue
         same = abs(float(a) - float(b)) <= 1e-9 * abs(float(b)) if isinstance(b, float) else a == b
         if not same:
-            hf = _HF_NAME.get(f) or ("moe_intermediate_size" if backend == "native_moe" else "intermediate_size")
+            hf = _HF_NAME.get(f) or ("moe_intermediate_size" if moe else "intermediate_size")
             differ.append(f"{hf}={a!r} (flavor {name}: {b!r})")
     if differ:
         raise ConfigError(f"{where}: config.json differs from model.flavor={name}: {', '.join(differ)}; "

@@ -378,10 +378,12 @@ def held_out_inputs(data) -> torch.Tensor:
 
 def compute_dtype(cfg, backend) -> str:
     """float32, or bfloat16 where torchtitan's MoE experts run (no fp32 expert kernel installed)."""
+    from qwen3_research.kernels import kernel_replaces
+
     if not getattr(backend, "is_moe", False):
         return "float32"
     for entry in cfg.kernels.entries or []:
-        if "moe" in entry.name and (entry.options or {}).get("dtype", "input") in ("input", "float32"):
+        if kernel_replaces(entry.name, "GroupedExperts") and (entry.options or {}).get("dtype", "input") in ("input", "float32"):
             return "float32"
     return "bfloat16"
 

@@ -15,7 +15,7 @@ def check_init_from(rc: RunConfig) -> None:
     from qwen3_research import models
 
     m = rc.model
-    _, flavor = models.resolve_flavor(m)
+    flavor = models.architecture(m)
     hf_config.check_weights(m.init_from, flavor)
     if rc.data.seq_len > flavor.max_seq_len:
         raise hf_config.ConfigError(f"data.seq_len={rc.data.seq_len} exceeds model.init_from's "

@@ -1,23 +1,32 @@
-"""Kernel overrides: the registry (``registry.py``) and the kernels it can install.
+"""Kernel overrides: the registry (``registry.py``, a leaf) and the kernels that register into it.
 
 ``apply_overrides(model, cfg, device) -> {entry: [module FQN, ...]}`` is what the Trainer calls
 before sharding. Kernels: ``moe_fast``/``rope_fast`` (CPU and CUDA, torch ops),
 ``triton_moe``/``triton_rope`` (CUDA; CPU under TRITON_INTERPRET=1), ``nki_moe``/``nki_rope``
 (Trainium; torch_neuronx imported only when installed). See docs/KERNELS.md.
+
+Importing this package imports every kernel module, and each registers its ``KernelSpec`` (and custom
+ops) in ``registry.KERNELS``; the kernel modules import the registry and the shared verification helpers
+(``verify``), never this package. Adding a kernel is one module and one import line below.
 """
 
-from qwen3_research.kernels.registry import KERNELS, KernelMatchWarning, apply_overrides, format_plan, resolve
+from qwen3_research.kernels import moe, nki, rope, triton_kernels  # noqa: F401  (each registers its kernels)
+from qwen3_research.kernels.registry import (KERNELS, KernelMatchWarning, format_plan, install, kernel_replaces,
+                                             kernel_support, resolve)
+from qwen3_research.kernels.verify import verify_plan
+
+__all__ = ["KERNELS", "KernelMatchWarning", "apply_overrides", "format_plan", "kernel_replaces", "kernel_support",
+           "resolve", "load"]
 
 
-def __getattr__(name):  # the kernel modules register on first access of KERNELS' contents
-    raise AttributeError(name)
-
-
-__all__ = ["KERNELS", "KernelMatchWarning", "apply_overrides", "format_plan", "resolve", "load"]
+def apply_overrides(model, cfg, device):
+    """Resolve, check, install; print and log the plan; verify if ``kernels.verify``. Before sharding."""
+    plan = install(model, resolve(model, cfg, device), cfg, device)
+    if cfg.kernels.verify:
+        verify_plan(model, plan, cfg, device, raise_on_fail=True)
+    return plan
 
 
 def load():
-    from qwen3_research.kernels.registry import _load_kernels
-
-    _load_kernels()
+    """Every registered kernel (all are registered once this package is imported)."""
     return KERNELS

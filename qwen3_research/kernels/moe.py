@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen3_research.errors import ConfigError
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.verify import _err, _local, _worst, random_routing
 
 NS = "qwen3_research"
 
@@ -208,12 +210,8 @@ def install_experts(kernel: str, op, default_options: dict):
     def install(module, options: dict, device=None) -> None:
         unknown = set(options) - set(default_options) - {"dtype"}
         if unknown:
-            from qwen3_research.config import ConfigError
-
             raise ConfigError(f"kernel {kernel}: unknown options {sorted(unknown)}; known: {sorted(default_options) + ['dtype']}")
         if options.get("dtype", "input") not in _DTYPES:
-            from qwen3_research.config import ConfigError
-
             raise ConfigError(f"kernel {kernel}: options.dtype must be one of {list(_DTYPES)}, got {options['dtype']!r}")
         base = type(module)
         key = (kernel, base, op)
@@ -228,9 +226,41 @@ def install_experts(kernel: str, op, default_options: dict):
     return install
 
 
-def _verify(module, shapes, device, options):
-    from qwen3_research.kernels.verify import verify_moe
+# -- verification against the float32 reference (KernelSpec.verify; qwen3_research.kernels.verify) -------
+def verify_moe(module, shapes: dict, device, options: dict, *, op, default_options: dict,
+               compute_dtype: torch.dtype | None = None) -> list[tuple]:
+    """Checks as (shapes, fwd_abs, fwd_rel, bwd_abs, bwd_rel, compute dtype name). ``compute_dtype``: the
+    dtype the kernel computes in when it is fixed by the kernel (NKI MoE: bfloat16), else options.dtype."""
+    from qwen3_research import titan
 
+    E, Fh, D = _local(titan.expert_weights(module)[0]).shape
+    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
+    counts = random_routing(shapes["tokens"], E, shapes["top_k"], gen)
+    R = int(counts.sum())
+    x = torch.randn(R, D, generator=gen)
+    w1 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
+    w3 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
+    w2 = torch.randn(E, D, Fh, generator=gen) * Fh**-0.5
+    gy = torch.randn(R, D, generator=gen)
+    opts = {**default_options, **{k: v for k, v in options.items() if k != "dtype"}}
+    dt = _DTYPES[options.get("dtype", "input")] or torch.float32
+    cdt = compute_dtype or dt
+
+    ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    ref = moe_reference(*ins, counts)
+    ref.backward(gy)
+    dev = device.torch_device
+    kin = [t.to(dev).clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    out = op(*(t.to(dt) for t in kin), counts.to(dev), **opts).float()
+    out.backward(gy.to(dev))
+    fa, fr = _err(out, ref)
+    ba, br = _worst([(k.grad, r.grad) for k, r in zip(kin, ins)])
+    name = str(cdt).replace("torch.", "")
+    return [(f"x({R},{D}) E={E} F={Fh} top{shapes['top_k']} {name}", fa, fr, ba, br, name)]
+
+
+
+def _verify(module, shapes, device, options):
     return verify_moe(module, shapes, device, options, op=moe_fast, default_options={"pad_limit": 2.0})
 
 

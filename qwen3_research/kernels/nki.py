@@ -63,7 +63,9 @@ from typing import Any, Callable
 
 import torch
 
+from qwen3_research.kernels.moe import install_experts, verify_moe
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.rope import install_rope, verify_rope
 
 NS = "qwen3_research"
 MOE_BLOCK_SIZES = (256, 512, 1024)  # moe_cte: multiple of 256 in 256..1024; blockwise_mm_bwd: 128/256/512/1024
@@ -389,29 +391,21 @@ def _planning(device) -> bool:
 
 # ---------------------------------------------------------------------------- registry glue
 def _install_moe(module, options, device=None):
-    from qwen3_research.kernels.moe import install_experts
-
     op = _moe_apply(_lnc(device), _planning(device))
     install_experts("nki_moe", op, MOE_OPTIONS)(module, options)
 
 
 def _install_rope(module, options, device=None):
-    from qwen3_research.kernels.rope import install_rope
-
     install_rope("nki_rope", _rope_apply(_lnc(device), _planning(device)), pair=True)(module, options)
 
 
 def _verify_moe(module, shapes, device, options):
-    from qwen3_research.kernels.verify import verify_moe
-
     return verify_moe(module, shapes, device, {k: v for k, v in options.items() if k != "dtype"},
                       op=_moe_apply(_lnc(device)), default_options=MOE_OPTIONS,
                       compute_dtype=torch.bfloat16)
 
 
 def _verify_rope(module, shapes, device, options):
-    from qwen3_research.kernels.verify import verify_rope
-
     pair = _rope_apply(_lnc(device))
     return verify_rope(module, shapes, device, lambda x, c, s: pair(x, x, c, s)[0])
 
@@ -455,9 +449,9 @@ def moe_cost(module, options, cfg, device, layers: int = 1) -> dict:
 
 def _top_k(cfg) -> int:
     """Routed rows per token: the native flavor's (or init_from architecture's) top-k."""
-    from qwen3_research.models import resolve_flavor
+    from qwen3_research import models
 
-    return max(1, resolve_flavor(cfg.model)[1].top_k)
+    return max(1, models.architecture(cfg.model).top_k)
 
 
 def _describe_moe(module, options, cfg, device, layers: int) -> tuple[list[str], int]:
@@ -544,7 +538,9 @@ register(KernelSpec(
     install=_install_moe,
     # blockwise_mm_bwd: "Uses LNC2 sharding" and AWS tests it at LNC=2 only (test_bwmm_bwd.py)
     requirements=Requirements(devices=("neuron",), dtypes=("float32", "bfloat16"), lncs=(2,), fix=_FIX,
-                              check=_moe_check, modules=_MODULES, install=_INSTALL),
+                              check=_moe_check, modules=_MODULES, install=_INSTALL,
+                              # the tiny MoE flavors are below moe_cte's hidden-size floor (_moe_check)
+                              verify_overrides={"neuron": ("model.flavor=nki_debug",)}),
     verify=_verify_moe,
     tolerance={"bfloat16": 2e-2},  # AWS's own test tolerance for both kernels in bf16 (rtol 2e-2)
     cost=_describe_moe,

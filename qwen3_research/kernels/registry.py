@@ -1,6 +1,11 @@
 """The kernel override registry: match ``kernels.entries`` against the built model, check
 requirements, swap in the kernels, and report the plan.
 
+A leaf of the kernels package: the kernel modules (``moe``, ``rope``, ``triton_kernels``, ``nki``) import
+this module and ``register`` their ``KernelSpec``; ``qwen3_research.kernels`` (the package) imports every
+kernel module, so ``KERNELS`` is complete whenever this module is reachable. Adding a kernel: one module
+that registers its spec, one import line in ``kernels/__init__.py``, one ``conf/kernels/<option>.yaml``.
+
 An entry (``conf/kernels/<option>.yaml``) names a kernel from ``KERNELS``, a target (an
 fnmatch pattern over module fully-qualified names such as ``layers.*.moe.routed_experts.inner_experts``,
 or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
@@ -29,7 +34,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from qwen3_research.config import ConfigError
+from qwen3_research.errors import ConfigError
 
 log = logging.getLogger("qwen3_research.kernels")
 
@@ -51,6 +56,9 @@ class Requirements:
     # to install them.
     modules: tuple[str, ...] = ()
     install: str = ""
+    # Overrides verify_kernels needs, per device, for the kernel to take the model it builds (the doctor's
+    # --run), e.g. the NKI MoE kernels' smallest flavor on neuron: {"neuron": ("model.flavor=nki_debug",)}.
+    verify_overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Kernel-specific start-up checks, run on the first matched module once the device type fits:
     # (module, entry options, cfg, device, where) -> (errors, warnings); each a one-line message.
     check: Callable[..., tuple[list[str], list[str]]] | None = None
@@ -91,10 +99,10 @@ def register(spec: KernelSpec) -> KernelSpec:
     return spec
 
 
-def _load_kernels() -> None:
-    # Importing the kernel modules registers their specs (and custom ops). NKI bindings register
-    # only their specs here; torch_neuronx is imported when a neuron kernel is installed.
-    from qwen3_research.kernels import moe, nki, rope, triton_kernels  # noqa: F401
+def kernel_replaces(name: str, module_type: str) -> bool:
+    """Whether kernel ``name`` replaces modules of class ``module_type`` (``GroupedExperts``: an expert kernel)."""
+    spec = KERNELS.get(name)
+    return spec is not None and module_type in spec.module_types
 
 
 def entry_labels(entries) -> list[tuple[str, Any]]:
@@ -154,7 +162,6 @@ def kernel_support(entries, device_type: str, lnc: int | None = None, option: st
     """Why ``entries`` (a conf/kernels option's entries) cannot run on ``device_type`` here: one line each,
     empty when they can (the model's own shape checks come at start-up, in ``resolve``). The check a
     run makes (``resolve``), ``verify_kernels`` makes first, and the doctor shows per option."""
-    _load_kernels()
     out = []
     for entry in entries:
         spec = KERNELS.get(entry.name)
@@ -205,7 +212,6 @@ def _find_spec(util, name: str):
 
 def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
     """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match)."""
-    _load_kernels()
     device = _effective(device)
     kc = cfg.kernels
     option = getattr(kc, "option", None)
@@ -307,9 +313,9 @@ def _plan_text_and_costs(plan, cfg, model, device) -> tuple[str, dict]:
     return "\n".join(lines), saved
 
 
-def apply_overrides(model: nn.Module, cfg, device) -> KernelPlan:
-    """Resolve, check, install; print and log the plan; verify if ``kernels.verify``. Before sharding."""
-    plan = KernelPlan(resolve(model, cfg, device))
+def install(model: nn.Module, resolved: dict[str, list[str]], cfg, device) -> KernelPlan:
+    """Swap in every matched module's kernel (``resolve``'s plan); print and log the plan. Before sharding."""
+    plan = KernelPlan(resolved)
     mods = dict(model.named_modules())
     for label, entry in entry_labels(cfg.kernels.entries):
         spec = KERNELS[entry.name]
@@ -320,8 +326,4 @@ def apply_overrides(model: nn.Module, cfg, device) -> KernelPlan:
     if int(os.environ.get("RANK", "0")) == 0:
         print(text, flush=True)
     log.info(text)
-    if cfg.kernels.verify:
-        from qwen3_research.kernels.verify import verify_plan
-
-        verify_plan(model, plan, cfg, device, raise_on_fail=True)
     return plan

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from qwen3_research.errors import ConfigError
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.verify import _err
 
 NS = "qwen3_research"
 
@@ -116,8 +118,6 @@ def make_rope_forward(apply, pair: bool = False):
 def install_rope(kernel: str, apply, pair: bool = False):
     def install(module, options: dict, device=None) -> None:
         if options:
-            from qwen3_research.config import ConfigError
-
             raise ConfigError(f"kernel {kernel} takes no options; got {sorted(options)}")
         base = type(module)
         key = (kernel, base, apply)
@@ -131,9 +131,28 @@ def install_rope(kernel: str, apply, pair: bool = False):
     return install
 
 
-def _verify(module, shapes, device, options):
-    from qwen3_research.kernels.verify import verify_rope
+# -- verification against the float32 reference (KernelSpec.verify; qwen3_research.kernels.verify) -------
+def verify_rope(module, shapes: dict, device, apply) -> list[tuple]:
+    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
+    B, L, NH, H = shapes["batch"], shapes["seq_len"], shapes["n_heads"], module.config.dim
+    cache = module.cache.detach().float().cpu()[:L]
+    cos, sin = cache[:, :H].view(1, L, 1, H), cache[:, H:].view(1, L, 1, H)
+    x = torch.randn(B, L, NH, H, generator=gen)
+    g = torch.randn(B, L, NH, H, generator=gen)
+    xr = x.clone().requires_grad_(True)
+    ref = rope_reference(xr, cos, sin)
+    ref.backward(g)
+    dev = device.torch_device
+    xk = x.to(dev).requires_grad_(True)
+    out = apply(xk, cos.to(dev), sin.to(dev))
+    out.backward(g.to(dev))
+    fa, fr = _err(out, ref)
+    ba, br = _err(xk.grad, xr.grad)
+    return [(f"x({B},{L},{NH},{H}) float32", fa, fr, ba, br, "float32")]
 
+
+
+def _verify(module, shapes, device, options):
     return verify_rope(module, shapes, device, rope_fast)
 
 

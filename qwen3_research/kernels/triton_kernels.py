@@ -23,8 +23,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwen3_research.kernels.moe import install_experts, verify_moe
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
-from qwen3_research.kernels.rope import define_rope_op
+from qwen3_research.kernels.rope import define_rope_op, install_rope, verify_rope
 
 NS = "qwen3_research"
 BM, BN, BK = 32, 32, 32
@@ -234,19 +235,12 @@ def rope_triton(x, cos, sin):
 
 # ---------------------------------------------------------------------------- registry
 def _register():
-    from qwen3_research.kernels.moe import install_experts
-    from qwen3_research.kernels.rope import install_rope
-
     interp = {"cpu": "TRITON_INTERPRET"}
 
     def verify_moe_(module, shapes, device, options):
-        from qwen3_research.kernels.verify import verify_moe
-
         return verify_moe(module, shapes, device, options, op=moe_triton, default_options={})
 
     def verify_rope_(module, shapes, device, options):
-        from qwen3_research.kernels.verify import verify_rope
-
         return verify_rope(module, shapes, device, rope_triton)
 
     register(KernelSpec(

@@ -1,5 +1,7 @@
 """Each active kernel against its float32 reference, forward and backward, on random inputs of the
 run's shapes. Used by ``python -m qwen3_research.verify_kernels`` and ``kernels.verify=true``.
+Each kernel module holds its own check (``KernelSpec.verify``: ``moe.verify_moe``, ``rope.verify_rope``)
+on the helpers here; this module runs them over a plan and prints the table.
 
 Error measure per tensor: max |kernel - reference| (abs) and abs / max |reference| (rel).
 Backward covers every differentiable input (MoE: x, w1, w2, w3; RoPE: x) under one random
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qwen3_research.config import ConfigError
+from qwen3_research.errors import ConfigError
+from qwen3_research.kernels.registry import KERNELS, entry_labels
 
 
 @dataclass
@@ -56,60 +59,6 @@ def random_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generat
     return torch.bincount(ids.flatten(), minlength=num_experts)
 
 
-def verify_moe(module, shapes: dict, device, options: dict, *, op, default_options: dict,
-               compute_dtype: torch.dtype | None = None) -> list[tuple]:
-    """Checks as (shapes, fwd_abs, fwd_rel, bwd_abs, bwd_rel, compute dtype name). ``compute_dtype``: the
-    dtype the kernel computes in when it is fixed by the kernel (NKI MoE: bfloat16), else options.dtype."""
-    from qwen3_research import titan
-    from qwen3_research.kernels.moe import _DTYPES, moe_reference
-
-    E, Fh, D = _local(titan.expert_weights(module)[0]).shape
-    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
-    counts = random_routing(shapes["tokens"], E, shapes["top_k"], gen)
-    R = int(counts.sum())
-    x = torch.randn(R, D, generator=gen)
-    w1 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
-    w3 = torch.randn(E, Fh, D, generator=gen) * D**-0.5
-    w2 = torch.randn(E, D, Fh, generator=gen) * Fh**-0.5
-    gy = torch.randn(R, D, generator=gen)
-    opts = {**default_options, **{k: v for k, v in options.items() if k != "dtype"}}
-    dt = _DTYPES[options.get("dtype", "input")] or torch.float32
-    cdt = compute_dtype or dt
-
-    ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
-    ref = moe_reference(*ins, counts)
-    ref.backward(gy)
-    dev = device.torch_device
-    kin = [t.to(dev).clone().requires_grad_(True) for t in (x, w1, w2, w3)]
-    out = op(*(t.to(dt) for t in kin), counts.to(dev), **opts).float()
-    out.backward(gy.to(dev))
-    fa, fr = _err(out, ref)
-    ba, br = _worst([(k.grad, r.grad) for k, r in zip(kin, ins)])
-    name = str(cdt).replace("torch.", "")
-    return [(f"x({R},{D}) E={E} F={Fh} top{shapes['top_k']} {name}", fa, fr, ba, br, name)]
-
-
-def verify_rope(module, shapes: dict, device, apply) -> list[tuple]:
-    from qwen3_research.kernels.rope import rope_reference
-
-    gen = torch.Generator().manual_seed(shapes.get("seed", 0))
-    B, L, NH, H = shapes["batch"], shapes["seq_len"], shapes["n_heads"], module.config.dim
-    cache = module.cache.detach().float().cpu()[:L]
-    cos, sin = cache[:, :H].view(1, L, 1, H), cache[:, H:].view(1, L, 1, H)
-    x = torch.randn(B, L, NH, H, generator=gen)
-    g = torch.randn(B, L, NH, H, generator=gen)
-    xr = x.clone().requires_grad_(True)
-    ref = rope_reference(xr, cos, sin)
-    ref.backward(g)
-    dev = device.torch_device
-    xk = x.to(dev).requires_grad_(True)
-    out = apply(xk, cos.to(dev), sin.to(dev))
-    out.backward(g.to(dev))
-    fa, fr = _err(out, ref)
-    ba, br = _err(xk.grad, xr.grad)
-    return [(f"x({B},{L},{NH},{H}) float32", fa, fr, ba, br, "float32")]
-
-
 def run_shapes(model, cfg) -> dict:
     """Shapes of this run per rank: tokens per micro-batch, heads, experts' top-k."""
     top_k = next((m.top_k for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"), 1)
@@ -122,8 +71,6 @@ def run_shapes(model, cfg) -> dict:
 
 def verify_plan(model, plan: dict, cfg, device, *, raise_on_fail: bool = False, printer=print) -> list[Check]:
     """One check per kernel entry (on its first matched module: all share shapes). Prints a table."""
-    from qwen3_research.kernels.registry import KERNELS, entry_labels
-
     shapes = run_shapes(model, cfg)
     mods = dict(model.named_modules())
     checks: list[Check] = []

@@ -1,93 +1,78 @@
-"""Model backends behind one small interface (``models.base.ModelBackend``).
+"""Model backends behind one registry (``models.registry``): what the rest of the package asks of a model.
 
-``describe`` answers what validation needs (head counts, experts) without importing torch.
+Each backend is a module with a ``BACKEND`` spec (``native``, ``native_moe``, ``hf``; out-of-tree ones through
+``model.module``). The functions here take the model config and ask the configured backend's spec, so no
+caller tests a backend's name:
+
+- ``check(cfg)``: the backend's config rules (its name, flavor, model.path / model.init_from); after
+  ``config.validate``, before anything else reads the model config.
+- ``describe(cfg)``: heads and experts for degree validation (no torch import).
+- ``build(cfg, device, ...)``: the ``models.base.ModelBackend`` (the only call that imports torch).
+- ``check_run(rc)``: the backend's whole-run checks before any worker (native: the installed torchtitan's limits).
+- ``tokenizer_spec(rc)``, ``flops_per_token(cfg, seq_len)``, ``architecture(cfg)``, ``flavors_for``/``get_flavor``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
-from qwen3_research.config import ConfigError, ModelConfig, RunConfig
-from qwen3_research.models.flavors import FROM_CHECKPOINT, Flavor, default_flavor, flavors_for, get_flavor
+from qwen3_research.config import ModelConfig, RunConfig
+from qwen3_research.models import registry
+from qwen3_research.models.registry import BackendSpec, spec
 
-__all__ = ["flavors_for", "get_flavor", "resolve_flavor", "describe", "build", "tokenizer_spec"]
-
-
-def resolve_flavor(cfg: ModelConfig) -> tuple[str, Flavor]:
-    """(name, architecture) of a native model. With ``model.init_from`` the architecture is the
-    checkpoint's config.json; ``model.flavor`` then defaults to it (``from_hf``/``auto``), and a named
-    flavor must agree with it field by field (ConfigError naming the fields)."""
-    from qwen3_research.hf_interop import config as hf_config
-
-    if cfg.init_from:
-        arch = Flavor(**hf_config.architecture_fields(cfg.init_from, cfg.backend))
-        if cfg.flavor in FROM_CHECKPOINT:
-            return "from_hf", arch
-        if cfg.flavor not in flavors_for(cfg.backend):
-            raise ConfigError(f"model.flavor={cfg.flavor!r} is not a {cfg.backend} flavor; leave it unset to take "
-                              f"model.init_from's architecture, or choose one of {flavors_for(cfg.backend)}")
-        hf_config.check_named_flavor(cfg.flavor, get_flavor(cfg.backend, cfg.flavor), arch,
-                                     f"model.init_from={cfg.init_from!r}", cfg.backend)
-        return cfg.flavor, arch
-    if cfg.flavor == "from_hf":
-        raise ConfigError("model.flavor=from_hf needs model.init_from=<HF directory>; or name a flavor "
-                          f"({flavors_for(cfg.backend)})")
-    name = default_flavor(None) if cfg.flavor in FROM_CHECKPOINT else cfg.flavor
-    return name, get_flavor(cfg.backend, name)
+__all__ = ["BackendSpec", "spec", "check", "check_run", "describe", "build", "tokenizer_spec", "flops_per_token",
+           "architecture", "flavors_for", "get_flavor"]
 
 
-def _hf_config(path: str) -> dict:
-    cfg_file = os.path.join(os.path.expanduser(path), "config.json")
-    if os.path.isdir(os.path.expanduser(path)):
-        if not os.path.isfile(cfg_file):
-            raise ConfigError(f"model.path={path!r} has no config.json; point it at a Hugging Face model directory")
-        try:
-            with open(cfg_file, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.path={path!r}: config.json is unreadable ({e})") from None
-    return {}  # a Hub id: resolved when the model is loaded
+def check(cfg: ModelConfig) -> BackendSpec:
+    """The configured backend's config rules (ConfigError, one line); returns its spec."""
+    return registry.check(cfg)
 
 
 def describe(cfg: ModelConfig) -> dict:
-    """n_heads, n_kv_heads, num_experts, is_moe for degree validation."""
-    if cfg.backend == "hf":
-        hc = _hf_config(cfg.path)
-        n_experts = hc.get("num_experts") or hc.get("num_local_experts") or 0
-        return {
-            "n_heads": hc.get("num_attention_heads"),
-            "n_kv_heads": hc.get("num_key_value_heads") or hc.get("num_attention_heads"),
-            "num_experts": n_experts,
-            "is_moe": bool(n_experts),
-        }
-    _, f = resolve_flavor(cfg)
-    return {"n_heads": f.n_heads, "n_kv_heads": f.n_kv_heads, "num_experts": f.num_experts, "is_moe": f.num_experts > 0}
+    """n_heads, n_kv_heads, num_experts, is_moe for degree validation (after the backend's checks)."""
+    return check(cfg).describe(cfg)
+
+
+def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
+          load_init_from: bool = True):
+    """The built model (``models.base.ModelBackend``) on ``device``, seeded."""
+    return check(cfg).build(cfg, device, seq_len=seq_len, seed=seed, tt_parallelism=tt_parallelism,
+                            tokenizer=tokenizer, load_init_from=load_init_from)
+
+
+def check_run(rc: RunConfig) -> None:
+    """The backend's checks of the whole run before any worker starts (native: what the installed torchtitan
+    cannot run, ``titan.check_supported``)."""
+    s = check(rc.model)
+    if s.check_run is not None:
+        s.check_run(rc)
 
 
 def tokenizer_spec(cfg: RunConfig) -> str:
     """An HF directory (model=hf's path, a native model's init_from) brings its own tokenizer when it has one."""
-    own = cfg.model.path if cfg.model.backend == "hf" else cfg.model.init_from
+    own = spec(cfg.model).tokenizer_dir(cfg.model)
     if cfg.data.tokenizer == "qwen3" and own:
         if os.path.isfile(os.path.join(os.path.expanduser(own), "tokenizer.json")):
             return own
     return cfg.data.tokenizer
 
 
-def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
-          load_init_from: bool = True):
-    if cfg.backend == "hf":
-        from qwen3_research.models.hf import HFCausalLM
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token before any build (the planner); NaN where only the built model knows."""
+    return registry.flops_per_token(cfg, seq_len)
 
-        return HFCausalLM(cfg, device, seq_len=seq_len, seed=seed)
-    from qwen3_research.models.native import NativeQwen3
 
-    name, flavor = resolve_flavor(cfg)
-    if tokenizer is not None and tokenizer.vocab_size > flavor.vocab_size:
-        raise ConfigError(
-            f"data.tokenizer has {tokenizer.vocab_size} tokens but model.flavor={name} has "
-            f"{flavor.vocab_size} embedding rows; use the Qwen3 tokenizer or a larger vocabulary"
-        )
-    # With init_from the weights are read after sharding, each rank its own part (NativeQwen3.materialize).
-    return NativeQwen3(cfg, device, seq_len, seed, tt_parallelism, flavor=flavor, flavor_name=name,
-                       init_from=cfg.init_from if load_init_from else None)
+def architecture(cfg: ModelConfig):
+    """The architecture (``models.flavors.Flavor``) for closed-form estimates; None when the backend has none."""
+    return spec(cfg).architecture(cfg)
+
+
+def flavors_for(backend: str) -> list[str]:
+    """The named flavors of ``backend`` (an in-tree backend's name)."""
+    return list(registry.get(backend).flavors)
+
+
+def get_flavor(backend: str, name: str):
+    """The architecture of flavor ``name`` of ``backend``."""
+    return registry.get(backend).flavors[name]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: a backend's spec module may subclass this without importing torch
+    import torch
+    import torch.nn as nn
 
 
 class ModelBackend:

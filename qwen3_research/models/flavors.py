@@ -58,20 +58,5 @@ MOE = {
 }
 
 
-# model.flavor values that take the architecture from model.init_from's config.json (without
-# init_from they mean the default, ``tiny``); the Hydra default of model=native|native_moe.
-FROM_CHECKPOINT = ("auto", "from_hf")
+# model.flavor=auto without model.init_from (with it: the checkpoint's architecture, ``from_hf``).
 DEFAULT_FLAVOR = "tiny"
-
-
-def default_flavor(init_from) -> str:
-    """The Hydra default of ``model.flavor``: the checkpoint's architecture when init_from is set."""
-    return "from_hf" if init_from else DEFAULT_FLAVOR
-
-
-def flavors_for(backend: str) -> list[str]:
-    return list({"native": DENSE, "native_moe": MOE}.get(backend, {}))
-
-
-def get_flavor(backend: str, name: str) -> Flavor:
-    return {"native": DENSE, "native_moe": MOE}[backend][name]

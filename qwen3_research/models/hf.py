@@ -1,193 +1,60 @@
-"""Hugging Face Transformers causal LMs (``model=hf``): AutoModelForCausalLM from a directory or Hub id.
+"""``model=hf``: a Hugging Face Transformers causal LM (AutoModelForCausalLM) from ``model.path``, a local
+directory or a Hub id; its architecture, tokenizer and weights are the directory's.
 
-FSDP2 over the decoder layers (``model.model.layers``), and tensor parallel for dense
-Qwen3-style blocks (q/k/v/o, gate/up/down projections). fp32 weights; SDPA attention.
+This module is the backend's spec and what validation needs (config.json read as JSON, no torch import);
+the model itself is ``models.hf_model.HFCausalLM``, imported by ``build``.
 """
 
 from __future__ import annotations
 
+import json
 import os
-
-import torch
-import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from pathlib import Path
 
 from qwen3_research.config import ConfigError, ModelConfig
-from qwen3_research.models.base import ModelBackend
-
-# Module names of a Qwen3 / Llama-style dense decoder layer that tensor parallel shards.
-_TP_DENSE_TYPES = {"qwen3", "qwen2", "llama", "mistral"}
+from qwen3_research.models.registry import BackendSpec
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def hf_flops_per_token(model: nn.Module, text, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """torchtitan's formula (models/utils.get_moe_model_nparams_and_flops) for an HF model: 6 FLOPs per
-    matmul parameter and token, counting only the active experts and keeping a tied embedding (it is
-    also the lm_head), plus 12·layers·heads·head_dim·seq_len for attention scores."""
-    named = dict(model.named_parameters())  # tied weights appear once
-    total = sum(p.numel() for p in named.values())
-    experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
-    num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
-    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
-    active_experts = experts * top_k // num_experts if num_experts else experts
-    emb = model.get_input_embeddings().weight.numel()
-    tied = bool(getattr(text, "tie_word_embeddings", False))
-    matmul = total - experts + active_experts - (0 if tied else emb)
-    return int(6 * matmul + 12 * text.num_hidden_layers * n_heads * head_dim * seq_len)
-
-
-class HFCausalLM(ModelBackend):
-    def __init__(self, cfg: ModelConfig, device: torch.device, *, seq_len: int, seed: int):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path = os.path.expanduser(cfg.path)
+def _hf_config(path: str) -> dict:
+    cfg_file = os.path.join(os.path.expanduser(path), "config.json")
+    if os.path.isdir(os.path.expanduser(path)):
+        if not os.path.isfile(cfg_file):
+            raise ConfigError(f"model.path={path!r} has no config.json; point it at a Hugging Face model directory")
         try:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError …
-            raise ConfigError(f"model.path={cfg.path!r}: cannot read the model config ({_one_line(e)})") from None
-        torch.manual_seed(seed)  # weights the checkpoint lacks would be drawn from here (we refuse them below)
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, config=config, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa",
-                dtype=torch.float32, output_loading_info=True,
-                use_safetensors=True,  # never unpickle a pytorch_model.bin
-            )
-        except Exception as e:  # noqa: BLE001 - corrupt/missing safetensors, unsupported architecture, …
-            raise ConfigError(f"model.path={cfg.path!r}: cannot load the model ({_one_line(e)})") from None
-        missing = list(info.get("missing_keys") or [])
-        mismatched = list(info.get("mismatched_keys") or [])
-        if missing or mismatched:
-            what = missing[:3] + [m[0] if isinstance(m, tuple) else m for m in mismatched[:3]]
-            raise ConfigError(
-                f"model.path={cfg.path!r}: the checkpoint lacks or mis-shapes {len(missing) + len(mismatched)} "
-                f"weights (e.g. {', '.join(map(str, what))}); it does not match its config.json"
-            )
-        max_pos = getattr(config, "max_position_embeddings", None)
-        if max_pos and seq_len > max_pos:
-            raise ConfigError(f"data.seq_len={seq_len} exceeds model.path's max_position_embeddings={max_pos}")
-        self.config = config
-        self.model = model.to(device)
-        self.model.config.use_cache = False
-        self.device = device
-        self.model_type = getattr(config, "model_type", "?")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.n_heads = int(text.num_attention_heads)
-        self.n_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.n_heads)
-        self.num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
-        self.vocab_size = int(text.vocab_size)
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.n_heads
-        self.flops_per_token = hf_flops_per_token(self.model, text, self.n_heads, head_dim, seq_len)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=inputs, use_cache=False).logits
-
-    def finalize_single(self, tt) -> None:
-        if tt.activation_checkpoint is not None:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    def _layers(self) -> nn.ModuleList:
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ConfigError(
-                f"model=hf: {type(self.model).__name__} has no model.layers list; FSDP/TP need a standard decoder-only LM"
-            )
-        return layers
-
-    def parallelize(self, parallel_dims, tt) -> None:
-        """Tensor parallel (dense Qwen3-style) on the tp mesh, then FSDP2 per decoder layer + root on the dp mesh."""
-        layers = self._layers()
-        if parallel_dims.tp_enabled:
-            self._apply_tp(parallel_dims.get_mesh("tp"), layers)
-        if tt.activation_checkpoint is not None:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            names = (["dp_replicate"] if parallel_dims.dp_replicate_enabled else []) + (
-                ["fsdp"] if parallel_dims.fsdp_enabled else []
-            )
-            dp_mesh = parallel_dims.get_mesh(names if len(names) > 1 else names[0])
-            dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-            mp = MixedPrecisionPolicy(
-                param_dtype=dtypes[tt.training.mixed_precision_param],
-                reduce_dtype=dtypes[tt.training.mixed_precision_reduce],
-            )
-            for i, layer in enumerate(layers):
-                # The last layer's params are gathered again right away by the root: keep them.
-                fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-            fully_shard(self.model, mesh=dp_mesh, mp_policy=mp)
-
-    def _apply_tp(self, tp_mesh, layers: nn.ModuleList) -> None:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        from qwen3_research import titan
-
-        if self.model_type not in _TP_DENSE_TYPES or self.num_experts:
-            raise ConfigError(
-                f"parallelism.tp={tp_mesh.size()} with model=hf supports dense Qwen3/Llama-style models, not "
-                f"model_type={self.model_type!r}{' (MoE)' if self.num_experts else ''}; use model=native_moe for MoE TP"
-            )
-        for layer in layers:
-            plan = {
-                "input_layernorm": titan.no_parallel(use_local_output=True),
-                "post_attention_layernorm": titan.no_parallel(use_local_output=True),
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(),
-            }
-            for norm in ("q_norm", "k_norm"):  # per-head RMSNorm on (B, L, heads, head_dim): heads are sharded
-                if hasattr(layer.self_attn, norm):
-                    plan[f"self_attn.{norm}"] = _HeadShardedNorm()
-            parallelize_module(layer, tp_mesh, plan)
-        tied = self.model.get_output_embeddings().weight is self.model.get_input_embeddings().weight
-        parallelize_module(self.model, tp_mesh, {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "model.norm": titan.no_parallel(use_local_output=True),
-            "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
-        })
-        if tied:  # both are vocab-sharded (Shard(0)); restore the single shared parameter
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
-
-    # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
-    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
-        """(B, L, hidden) after the final norm, from the whole model's forward (so FSDP's root unit gathers
-        the lm_head weight) with ``lm_head`` swapped for an identity during the call."""
-        lm_head = self.model.lm_head
-        self.model.lm_head = nn.Identity()
-        try:
-            return self.model(input_ids=inputs, use_cache=False).logits
-        finally:
-            self.model.lm_head = lm_head
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.lm_head.weight
+            with open(cfg_file, encoding="utf-8") as fh:
+                return json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.path={path!r}: config.json is unreadable ({e})") from None
+    return {}  # a Hub id: resolved when the model is loaded
 
 
-class _HeadShardedNorm(ParallelStyle):
-    """Replicated weight; input and output sharded on dim 2 (attention heads), handed on as local tensors."""
+def describe(cfg: ModelConfig) -> dict:
+    """Heads and experts from config.json (a Hub id: unknown until the model is loaded)."""
+    hc = _hf_config(cfg.path)
+    n_experts = hc.get("num_experts") or hc.get("num_local_experts") or 0
+    return {
+        "n_heads": hc.get("num_attention_heads"),
+        "n_kv_heads": hc.get("num_key_value_heads") or hc.get("num_attention_heads"),
+        "num_experts": n_experts,
+        "is_moe": bool(n_experts),
+    }
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
 
-        def input_fn(mod, inputs, mesh):
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [Shard(2)], run_check=False)
-            return (x, *inputs[1:])
+def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
+          load_init_from: bool = True):
+    from qwen3_research.models.hf_model import HFCausalLM
 
-        def output_fn(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
+    return HFCausalLM(cfg, device, seq_len=seq_len, seed=seed)
 
-        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+def smoke_overrides(tmp: Path) -> list[str]:
+    """doctor --run: a random 2-layer Qwen3 checkpoint written under ``tmp`` for the tiny run."""
+    from qwen3_research.models.hf_model import write_tiny_checkpoint
+
+    return [f"model.path={write_tiny_checkpoint(tmp / 'hf_tiny')}"]
+
+
+BACKEND = BackendSpec(
+    name="hf", describe=describe, build=build, takes_path=True, tokenizer_dir=lambda cfg: cfg.path,
+    smoke_overrides=smoke_overrides,
+)

@@ -1,135 +1,93 @@
-"""torchtitan's native Qwen3 and Qwen3-MoE: config from a flavor, meta build, seeded init.
+"""``model=native``: torchtitan's Qwen3 (dense) from a named flavor (``models.flavors.DENSE``) or from
+``model.init_from``'s config.json, whose safetensors it then loads shard by shard.
 
-torchtitan is reached through ``qwen3_research.titan``; import this module only after
-``device.prepare_torchtitan`` (torchtitan reads the device at import).
+This module is the backend's spec and what validation needs (no torch import); the model itself is
+``models.native_model.NativeQwen3``, imported by ``build``. ``native_spec`` makes the spec of a native
+variant: ``models.native_moe`` is the MoE one.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
+import functools
+from typing import Mapping
 
 from qwen3_research import titan
-from qwen3_research.config import ModelConfig
-from qwen3_research.models.base import ModelBackend
-from qwen3_research.models.flavors import Flavor, get_flavor
-
-# Full-model init before sharding (layout-independent weights) up to this size; larger
-# models are initialized after sharding, as torchtitan does, to fit device memory.
-FULL_INIT_MAX_PARAMS = 2_000_000_000
+from qwen3_research.config import ConfigError, ModelConfig, RunConfig
+from qwen3_research.models.flavors import DEFAULT_FLAVOR, DENSE, Flavor
+from qwen3_research.models import registry
+from qwen3_research.models.registry import FROM_CHECKPOINT, BackendSpec
 
 
-class NativeQwen3(ModelBackend):
-    """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``, or from ``model.init_from``'s config.json.
+def resolve_flavor(cfg: ModelConfig, spec: BackendSpec | None = None) -> tuple[str, Flavor]:
+    """(name, architecture) of a native model (``spec``: its variant, by default the configured one). With
+    ``model.init_from`` the architecture is the checkpoint's config.json; ``model.flavor`` then defaults to it
+    (``from_hf``/``auto``), and a named flavor must agree with it field by field (ConfigError naming the fields)."""
+    from qwen3_research.hf_interop import config as hf_config
 
-    With ``init_from`` the model stays on the meta device until it is sharded (or, single process,
-    until ``finalize_single``); ``materialize`` then allocates each rank's shards and reads only those
-    from the safetensors (``hf_interop.load``). No rank ever holds the full model.
-    """
-
-    def __init__(self, cfg: ModelConfig, device: torch.device, seq_len: int, seed: int, tt_parallelism=None, *,
-                 flavor: Flavor | None = None, flavor_name: str | None = None, init_from: str | None = None):
-        self.flavor = flavor if flavor is not None else get_flavor(cfg.backend, cfg.flavor)
-        self.flavor_name = flavor_name or cfg.flavor
-        from qwen3_research.config import ConfigError
-
-        if seq_len > self.flavor.max_seq_len:
-            what = (f"model.init_from's max_position_embeddings" if cfg.init_from
-                    else f"model.flavor={self.flavor_name}'s RoPE length")
-            raise ConfigError(f"data.seq_len={seq_len} exceeds {what} {self.flavor.max_seq_len}")
-        if cfg.attention == "flex" and device.type != "cuda":
-            raise ConfigError(
-                f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
-                f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
-            )
-        self.flex = cfg.attention == "flex"
-        self._masks: dict = {}
-        if cfg.init_from:
-            # The checkpoint's architecture; the RoPE table has data.seq_len rows, not max_position_embeddings.
-            self.model_config = titan.qwen3_config_for_architecture(self.flavor, cfg.attention, device.type, seq_len)
-        else:
-            self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
-        if tt_parallelism is not None:
-            titan.apply_parallelism_plans(self.model_config, tt_parallelism)
-        self.device = device
-        self.seed = seed
-        self.init_from = init_from
-        with torch.device("meta"):
-            self.model = titan.build_model(self.model_config)
-        # TorchNeuron's grouped matmul takes token groups in multiples of 128 only: the experts pad on
-        # neuron (a kernel override on the experts replaces this forward).
-        titan.align_token_groups(self.model, device.type)
-        self.num_params, self.flops_per_token = titan.nparams_and_flops(self.model_config, self.model, seq_len)
-        self.is_moe = self.flavor.num_experts > 0
-        self._initialized = False
-        if self.num_params <= FULL_INIT_MAX_PARAMS and not init_from:
-            self.init_weights()
-
-    def materialize(self) -> None:
-        """Allocate (on this rank: its shards) and fill the weights: seeded init, then init_from's safetensors."""
-        if self._initialized:
-            return
-        self.init_weights()
-        if self.init_from:
-            from qwen3_research.hf_interop.load import load_hf_weights
-
-            load_hf_weights(self.model, self.model_config, self.init_from)
-
-    @property
-    def n_heads(self) -> int:
-        return self.flavor.n_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.flavor.n_kv_heads
-
-    @property
-    def num_experts(self) -> int:
-        return self.flavor.num_experts
-
-    def init_weights(self) -> None:
-        """Seeded init of the (full or sharded) model; same seed -> same full weights."""
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            torch.manual_seed(self.seed)
-            titan.init_weights(self.model, self.device)
-        self._initialized = True
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if not self.flex:
-            return self.model(inputs)
-        key = tuple(inputs.shape)
-        if key not in self._masks:  # one BlockMask per batch shape (causal: it does not depend on the tokens)
-            self._masks[key] = titan.flex_attention_masks(self.model, *key, inputs.device)
-        return self.model(inputs, attention_masks=self._masks[key])
-
-    def parallelize(self, parallel_dims, tt) -> None:
-        """Shard with torchtitan's Qwen3 plan; ``tt`` holds torchtitan's config objects."""
-        from qwen3_research.parallel import keep_embeddings_tied_through_tp
-
-        keep_embeddings_tied_through_tp(self.model)
-        titan.parallelize_qwen3(self.model, parallel_dims, tt)
-        self.materialize()
-
-    def finalize_single(self, tt) -> None:
-        self.materialize()
-        super().finalize_single(tt)
-
-    def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
-        if self.is_moe:
-            titan.register_moe_load_balancing_hook(optimizer, self.model, parallel_dims)
+    spec = spec or registry.spec(cfg)
+    flavors = spec.flavors
+    if cfg.init_from:
+        arch = Flavor(**hf_config.architecture_fields(cfg.init_from, spec))
+        if cfg.flavor in FROM_CHECKPOINT:
+            return "from_hf", arch
+        if cfg.flavor not in flavors:
+            raise ConfigError(f"model.flavor={cfg.flavor!r} is not a {spec.name} flavor; leave it unset to take "
+                              f"model.init_from's architecture, or choose one of {list(flavors)}")
+        hf_config.check_named_flavor(cfg.flavor, flavors[cfg.flavor], arch, f"model.init_from={cfg.init_from!r}", spec)
+        return cfg.flavor, arch
+    if cfg.flavor == "from_hf":
+        raise ConfigError(f"model.flavor=from_hf needs model.init_from=<HF directory>; or name a flavor ({list(flavors)})")
+    name = DEFAULT_FLAVOR if cfg.flavor in FROM_CHECKPOINT else cfg.flavor
+    return name, flavors[name]
 
 
-    # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
-    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
-        """(B, L, dim) after the final norm: torchtitan's own ``_skip_lm_head`` switch for chunked losses."""
-        inner = getattr(self.model, "_orig_mod", self.model)  # under torch.compile
-        inner._skip_lm_head = True
-        try:
-            return self.model(inputs)
-        finally:
-            inner._skip_lm_head = False
+def describe(cfg: ModelConfig, spec) -> dict:
+    _, f = resolve_flavor(cfg, spec)
+    return {"n_heads": f.n_heads, "n_kv_heads": f.n_kv_heads, "num_experts": f.num_experts, "is_moe": f.num_experts > 0}
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """The lm_head weight as the step sees it (FSDP keeps the norm+lm_head unit gathered after forward)."""
-        return getattr(self.model, "_orig_mod", self.model).lm_head.weight
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, spec) -> float:
+    """torchtitan's formula (6 × active matmul params + attention), from the architecture alone; the built
+    model's figure (``titan.nparams_and_flops``) counts the same parameters."""
+    f = resolve_flavor(cfg, spec)[1]
+    d, hd = f.dim, f.head_dim
+    attn = d * (f.n_heads + 2 * f.n_kv_heads) * hd + f.n_heads * hd * d
+    ffn = (f.top_k * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
+    matmul = f.n_layers * (attn + ffn) + f.vocab_size * d
+    return 6 * matmul + 12 * f.n_layers * f.n_heads * hd * seq_len
+
+
+def check_run(rc: RunConfig, spec) -> None:
+    """What the installed torchtitan cannot run for this model (its 0.2.x API's limits), before any worker."""
+    titan.check_supported(rc, moe=spec.moe)
+
+
+def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
+          load_init_from: bool = True, spec):
+    from qwen3_research.models.native_model import NativeQwen3
+
+    name, flavor = resolve_flavor(cfg, spec)
+    if tokenizer is not None and tokenizer.vocab_size > flavor.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer has {tokenizer.vocab_size} tokens but model.flavor={name} has "
+            f"{flavor.vocab_size} embedding rows; use the Qwen3 tokenizer or a larger vocabulary"
+        )
+    # With init_from the weights are read after sharding, each rank its own part (NativeQwen3.materialize).
+    return NativeQwen3(cfg, device, seq_len, seed, tt_parallelism, flavor=flavor, flavor_name=name,
+                       init_from=cfg.init_from if load_init_from else None)
+
+
+def native_spec(name: str, flavors: Mapping[str, Flavor], *, moe: bool, hf_model_type: str) -> BackendSpec:
+    """The spec of a native variant: torchtitan's Qwen3 with ``flavors``, reading/writing ``hf_model_type``."""
+    def bind(fn):  # each function is told which variant it serves (``spec``, bound once it exists)
+        return functools.wraps(fn)(lambda *a, **kw: fn(*a, **kw, spec=spec))
+
+    spec = BackendSpec(
+        name=name, describe=bind(describe), build=bind(build), flavors=flavors, takes_init_from=True, moe=moe,
+        torchtitan=True, hf_model_type=hf_model_type, check_run=bind(check_run), tokenizer_dir=lambda cfg: cfg.init_from,
+        flops_per_token=bind(flops_per_token), architecture=lambda cfg: resolve_flavor(cfg, spec)[1],
+    )
+    return spec
+
+
+BACKEND = native_spec("native", DENSE, moe=False, hf_model_type="qwen3")

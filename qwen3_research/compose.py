@@ -1,0 +1,100 @@
+"""Hydra composition outside ``@hydra.main``: the packaged config directory, one compose call, one-line errors.
+
+Every place that composes a run config before (or beside) Hydra's own run -- the CLI's preflight and
+run-dir check, the torchrun run-dir agreement, the planner, a sweep's plan of its points, the Slurm
+preflight, the doctor, ``verify_kernels`` -- calls ``compose`` here, so all of them read the same
+``conf/`` (shipped inside the package: a non-editable install finds it) and report a bad override as the
+same one line (``format_compose_error``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qwen3_research.config import register_configs
+from qwen3_research.errors import ConfigError
+
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def compose(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None,
+            return_hydra_config: bool = False):
+    """The composed (unresolved) DictConfig for ``overrides``: conf/config.yaml, or ``config_name`` found on
+    the first ``searchpath`` entry with the others and conf/ searched after it (a sweep file given with
+    ``--config-dir sweeps --config-name tp_seq``: Hydra finds a primary config only in the first directory).
+
+    Any composition error is a ConfigError whose text is ``format_compose_error``'s line without its
+    ``config error: `` prefix. Inside a running Hydra app (a sweep's callback) the app's Hydra is put aside
+    for the call and restored after it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()  # the schemas the YAML options extend (idempotent)
+    gh = GlobalHydra.instance()
+    outer = gh.hydra if gh.is_initialized() else None
+    if outer is not None:
+        gh.clear()
+    try:
+        first, extra = CONF_DIR, []
+        if searchpath:
+            first = searchpath[0].split("://", 1)[-1]
+            extra = [f"hydra.searchpath=[{','.join([*searchpath[1:], 'file://' + CONF_DIR])}]"]
+        with initialize_config_dir(config_dir=first, version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=[*extra, *overrides],
+                                 return_hydra_config=return_hydra_config)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types; all are config errors here
+        raise ConfigError(format_compose_error(e).removeprefix("config error: ")) from None
+    finally:
+        if outer is not None:
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(outer)
+
+
+def compose_resolved(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None) -> dict:
+    """``compose``'s config with every interpolation resolved, as a plain dict (what the planner takes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose(overrides, config_name=config_name, searchpath=searchpath), resolve=True)
+
+
+def format_compose_error(e: BaseException) -> str:
+    """One line naming the key (or group) and what to do, from Hydra/OmegaConf's exception."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, cur = [], e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for err in chain:
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            msg = str(getattr(err, "msg", None) or err).splitlines()[0]
+            if "not in struct" in msg or "not in" in msg and "Key" in msg:
+                return f"config error: {err.full_key}: unknown key ({msg}); check the spelling, or print valid keys with --cfg job"
+            return f"config error: {err.full_key}: {msg}"
+    for err in chain:
+        if isinstance(err, MissingConfigException):
+            text = str(err)
+            first = text.splitlines()[0]
+            listing = text.split("Config search path", 1)[0]  # the options, not the search path after them
+            options = [ln.strip() for ln in listing.splitlines()[1:] if ln.startswith("\t")]
+            group = getattr(err, "missing_cfg_file", "") or ""
+            hint = f"; available: {', '.join(options)}" if options else ""
+            return f"config error: {first.strip()} ({group}){hint}"
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return f"config error: {first.strip()}"
+
+
+_SWEEP_FUNCS = ("range(", "choice(", "interval(", "glob(", "tag(")
+
+
+def is_sweep_value(value: str) -> bool:
+    """Whether an override's value is one a sweeper expands (``1,2``, ``range(…)``, ``choice(…)``, …)."""
+    depth = 0
+    for ch in value:
+        depth += ch in "[{("
+        depth -= ch in "]})"
+        if ch == "," and depth == 0:
+            return True
+    return value.startswith(_SWEEP_FUNCS)

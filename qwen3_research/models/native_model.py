@@ -1,0 +1,138 @@
+"""The nn side of ``model=native`` / ``native_moe`` (``models.native``): torchtitan's Qwen3 and Qwen3-MoE built
+from a flavor, meta build, seeded init, sharding with torchtitan's plan.
+
+torchtitan is reached through ``qwen3_research.titan``; build only after ``device.prepare_torchtitan``
+(torchtitan reads the device at import).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from qwen3_research import titan
+from qwen3_research.config import ConfigError, ModelConfig
+from qwen3_research.models.base import ModelBackend
+from qwen3_research.models.flavors import Flavor
+
+# Full-model init before sharding (layout-independent weights) up to this size; larger
+# models are initialized after sharding, as torchtitan does, to fit device memory.
+FULL_INIT_MAX_PARAMS = 2_000_000_000
+
+
+class NativeQwen3(ModelBackend):
+    """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``, or from ``model.init_from``'s config.json.
+
+    With ``init_from`` the model stays on the meta device until it is sharded (or, single process,
+    until ``finalize_single``); ``materialize`` then allocates each rank's shards and reads only those
+    from the safetensors (``hf_interop.load``). No rank ever holds the full model.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, seq_len: int, seed: int, tt_parallelism=None, *,
+                 flavor: Flavor | None = None, flavor_name: str | None = None, init_from: str | None = None):
+        if flavor is None:
+            from qwen3_research.models import registry
+
+            flavor = registry.spec(cfg).flavors[cfg.flavor]
+        self.flavor = flavor
+        self.flavor_name = flavor_name or cfg.flavor
+        if seq_len > self.flavor.max_seq_len:
+            what = (f"model.init_from's max_position_embeddings" if cfg.init_from
+                    else f"model.flavor={self.flavor_name}'s RoPE length")
+            raise ConfigError(f"data.seq_len={seq_len} exceeds {what} {self.flavor.max_seq_len}")
+        if cfg.attention == "flex" and device.type != "cuda":
+            raise ConfigError(
+                f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
+                f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
+            )
+        self.flex = cfg.attention == "flex"
+        self._masks: dict = {}
+        if cfg.init_from:
+            # The checkpoint's architecture; the RoPE table has data.seq_len rows, not max_position_embeddings.
+            self.model_config = titan.qwen3_config_for_architecture(self.flavor, cfg.attention, device.type, seq_len)
+        else:
+            self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
+        if tt_parallelism is not None:
+            titan.apply_parallelism_plans(self.model_config, tt_parallelism)
+        self.device = device
+        self.seed = seed
+        self.init_from = init_from
+        with torch.device("meta"):
+            self.model = titan.build_model(self.model_config)
+        # TorchNeuron's grouped matmul takes token groups in multiples of 128 only: the experts pad on
+        # neuron (a kernel override on the experts replaces this forward).
+        titan.align_token_groups(self.model, device.type)
+        self.num_params, self.flops_per_token = titan.nparams_and_flops(self.model_config, self.model, seq_len)
+        self.is_moe = self.flavor.num_experts > 0
+        self._initialized = False
+        if self.num_params <= FULL_INIT_MAX_PARAMS and not init_from:
+            self.init_weights()
+
+    def materialize(self) -> None:
+        """Allocate (on this rank: its shards) and fill the weights: seeded init, then init_from's safetensors."""
+        if self._initialized:
+            return
+        self.init_weights()
+        if self.init_from:
+            from qwen3_research.hf_interop.load import load_hf_weights
+
+            load_hf_weights(self.model, self.model_config, self.init_from)
+
+    @property
+    def n_heads(self) -> int:
+        return self.flavor.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.flavor.n_kv_heads
+
+    @property
+    def num_experts(self) -> int:
+        return self.flavor.num_experts
+
+    def init_weights(self) -> None:
+        """Seeded init of the (full or sharded) model; same seed -> same full weights."""
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            torch.manual_seed(self.seed)
+            titan.init_weights(self.model, self.device)
+        self._initialized = True
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if not self.flex:
+            return self.model(inputs)
+        key = tuple(inputs.shape)
+        if key not in self._masks:  # one BlockMask per batch shape (causal: it does not depend on the tokens)
+            self._masks[key] = titan.flex_attention_masks(self.model, *key, inputs.device)
+        return self.model(inputs, attention_masks=self._masks[key])
+
+    def parallelize(self, parallel_dims, tt) -> None:
+        """Shard with torchtitan's Qwen3 plan; ``tt`` holds torchtitan's config objects."""
+        from qwen3_research.parallel import keep_embeddings_tied_through_tp
+
+        keep_embeddings_tied_through_tp(self.model)
+        titan.parallelize_qwen3(self.model, parallel_dims, tt)
+        self.materialize()
+
+    def finalize_single(self, tt) -> None:
+        self.materialize()
+        super().finalize_single(tt)
+
+    def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
+        if self.is_moe:
+            titan.register_moe_load_balancing_hook(optimizer, self.model, parallel_dims)
+
+
+    # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
+    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(B, L, dim) after the final norm: torchtitan's own ``_skip_lm_head`` switch for chunked losses."""
+        inner = getattr(self.model, "_orig_mod", self.model)  # under torch.compile
+        inner._skip_lm_head = True
+        try:
+            return self.model(inputs)
+        finally:
+            inner._skip_lm_head = False
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The lm_head weight as the step sees it (FSDP keeps the norm+lm_head unit gathered after forward)."""
+        return getattr(self.model, "_orig_mod", self.model).lm_head.weight

@@ -1,0 +1,144 @@
+"""Model backends by name: what each one declares (``BackendSpec``) and where the registry finds it.
+
+``model.backend=NAME`` names a backend. Its module is ``model.module`` when the model config sets it
+(an out-of-tree backend: any importable module, e.g. ``mylab.backends.toy``), else, by convention,
+``qwen3_research.models.NAME``. That module defines ``BACKEND``: a ``BackendSpec`` named NAME. Adding a
+backend is that one module plus one ``conf/model/<option>.yaml`` (``backend: NAME``, and ``module:`` for an
+out-of-tree one); nothing else in the package names a backend (tests/test_backends.py adds one that way).
+
+A spec says, without importing torch: how to describe the model for validation (heads, experts), how to
+build it (the only part that imports torch), which flavors it has, whether it takes ``model.path`` /
+``model.init_from``, its own config checks, which HF directory brings the tokenizer, its FLOPs per token
+before any build, its architecture for closed-form estimates, and the Hugging Face ``model_type`` it
+reads and writes. The generic rules (unknown flavor, ``model.path`` required, ``model.init_from`` refused)
+are ``check`` below, from those declarations.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from qwen3_research.compose import CONF_DIR
+from qwen3_research.config import ModelConfig, RunConfig
+from qwen3_research.errors import ConfigError
+
+# model.flavor values that take the architecture from model.init_from's config.json (``from_hf``; ``auto``
+# means the same with init_from and the backend's default without); ``config.default_flavor`` sets them.
+FROM_CHECKPOINT = ("auto", "from_hf")
+
+
+def _nan_flops(cfg: ModelConfig, seq_len: int) -> float:
+    return float("nan")
+
+
+def _no_architecture(cfg: ModelConfig):
+    return None
+
+
+def _hf_directory(cfg: ModelConfig) -> Optional[str]:
+    return cfg.path or cfg.init_from
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One model backend, as the rest of the package sees it before (and while) building it."""
+
+    name: str  # the model.backend value
+    # ModelConfig -> {"n_heads", "n_kv_heads", "num_experts", "is_moe"} for degree validation; no torch import.
+    describe: Callable[[ModelConfig], dict]
+    # (cfg, torch.device, *, seq_len, seed, tt_parallelism, tokenizer, load_init_from) -> models.base.ModelBackend
+    build: Callable[..., Any]
+    flavors: Mapping[str, Any] = field(default_factory=dict)  # model.flavor names (empty: the backend has none)
+    takes_path: bool = False  # model.path (an HF directory or Hub id) names the model: required
+    takes_init_from: bool = False  # model.init_from (an HF directory) gives the weights and architecture
+    moe: bool = False  # every model of this backend is a mixture of experts (native_moe)
+    torchtitan: bool = False  # built from torchtitan's Qwen3: the installed torchtitan's limits apply
+    hf_model_type: Optional[str] = None  # config.json model_type it imports (init_from) and exports
+    check: Optional[Callable[[ModelConfig], None]] = None  # its own config checks (ConfigError), after the generic ones
+    check_run: Optional[Callable[[RunConfig], None]] = None  # whole-run checks before any worker starts
+    # The HF directory whose tokenizer.json (when it has one) replaces data.tokenizer=qwen3.
+    tokenizer_dir: Callable[[ModelConfig], Optional[str]] = _hf_directory
+    # Training FLOPs per token (forward + backward) known before any build (the planner); NaN when only the
+    # built model knows (ModelBackend.flops_per_token).
+    flops_per_token: Callable[[ModelConfig, int], float] = _nan_flops
+    # The architecture (models.flavors.Flavor) for closed-form estimates; None when the backend has none.
+    architecture: Callable[[ModelConfig], Any] = _no_architecture
+    # doctor --run: overrides a tiny 2-step run of this backend needs (it may write files under the directory).
+    smoke_overrides: Callable[[Path], list] = lambda tmp: []
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str, module: Optional[str]) -> BackendSpec:
+    where = module or f"qwen3_research.models.{name}"
+    unknown = ConfigError(f"model.backend={name!r} is not one of {in_tree()}; an out-of-tree backend names its "
+                          "module in model.module")
+    if module is None and not name.isidentifier():
+        raise unknown
+    try:
+        mod = importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if module is None and e.name == where:
+            raise unknown from None
+        raise ConfigError(f"model.module={where!r} (model.backend={name!r}) cannot be imported ({e}); put it on "
+                          "PYTHONPATH or fix model.module") from None
+    except Exception as e:  # noqa: BLE001 - the backend module's own error: one line naming it
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"model.module={where!r} (model.backend={name!r}) failed to import: "
+                          f"{type(e).__name__}: {first}") from None
+    spec = getattr(mod, "BACKEND", None)
+    if not isinstance(spec, BackendSpec) or spec.name != name:
+        found = f"BACKEND named {spec.name!r}" if isinstance(spec, BackendSpec) else "no BACKEND (a BackendSpec)"
+        raise ConfigError(f"model.backend={name!r}: module {where} defines {found}; define "
+                          f"BACKEND = BackendSpec(name={name!r}, ...) there")
+    return spec
+
+
+def get(name: str, module: Optional[str] = None) -> BackendSpec:
+    """The spec of backend ``name`` (from ``module``, or qwen3_research.models.<name>); ConfigError if none."""
+    return _load(name, module or None)
+
+
+def spec(cfg: ModelConfig) -> BackendSpec:
+    """The spec of the configured backend (``model.backend``, ``model.module``)."""
+    return get(cfg.backend, getattr(cfg, "module", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _in_tree() -> tuple[str, ...]:
+    from omegaconf import OmegaConf
+
+    names = {str(OmegaConf.load(p).get("backend")) for p in Path(CONF_DIR, "model").glob("*.yaml")}
+    return tuple(sorted(n for n in names if n != "None"))
+
+
+def in_tree() -> list[str]:
+    """The backends shipped with the package: the ``backend`` of every conf/model option, sorted."""
+    return list(_in_tree())
+
+
+def check(cfg: ModelConfig) -> BackendSpec:
+    """The rules every backend's declarations imply, then its own ``check``; returns the spec."""
+    s = spec(cfg)
+    if s.takes_path and not cfg.path:
+        raise ConfigError(f"model.path is required with model={s.name}: a local HF directory or a Hub id")
+    if cfg.init_from and not s.takes_init_from:
+        takers = "|".join(n for n in in_tree() if get(n).takes_init_from)
+        hint = f"with model={s.name} use model.path" if s.takes_path else f"model={s.name} builds without it"
+        raise ConfigError(f"model.init_from is for model={takers}; {hint}")
+    from_checkpoint = cfg.flavor == "auto" or (cfg.flavor in FROM_CHECKPOINT and cfg.init_from)
+    if s.flavors and cfg.flavor not in s.flavors and not from_checkpoint:
+        raise ConfigError(f"model.flavor={cfg.flavor!r} is not a {s.name} flavor; choose one of {list(s.flavors)}")
+    if s.check is not None:
+        s.check(cfg)
+    return s
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token before any build (NaN where only the built model knows)."""
+    value = spec(cfg).flops_per_token(cfg, seq_len)
+    return float(value) if value is not None else math.nan
