@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from qwen3_research.config import RunConfig
+from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, write_failure
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -237,6 +238,27 @@ def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Te
     return out
 
 
+# -- the data order a resume continues ------------------------------------------------------
+
+
+def refuse_layout_change(saved: dict | None, current: dict, ckpt: Path, allow: bool, quiet: bool = False) -> None:
+    """A resume under another data layout (``data.data_layout``) would not continue the run's data order:
+    refused, or with ``checkpoint.allow_data_change=true`` said once (not by every rank: ``quiet``)."""
+    diffs = layout_differences(saved, current)
+    if not diffs:
+        return
+    if allow:
+        if quiet:
+            return
+        print(f"warning: checkpoint.allow_data_change=true: resuming {ckpt} under another data layout "
+              f"({'; '.join(diffs)}); the data order differs from the original run", file=sys.stderr, flush=True)
+        return
+    raise ConfigError(
+        f"checkpoint.resume: {ckpt} was trained with another data layout ({'; '.join(diffs)}), so the run would not "
+        "continue its data order; resume with the same data settings, or accept it with checkpoint.allow_data_change=true"
+    )
+
+
 # -- the trainer's checkpointer -------------------------------------------------------------
 
 
@@ -346,8 +368,6 @@ class Checkpointer:
             self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
             if self.resume_from is not None:  # fail before anything is written, on every rank
                 check_model_matches(self.resume_from, self._model_state(), what=f"checkpoint.resume={self.cfg.resume}")
-                from qwen3_research.rundir import refuse_layout_change
-
                 refuse_layout_change(read_meta(self.resume_from).get("data_layout"), trainer.data_layout,
                                      self.resume_from, self.cfg.allow_data_change, quiet=not trainer.is_main)
 

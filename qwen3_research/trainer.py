@@ -87,7 +87,7 @@ class Trainer:
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
         self.data = PackedDataset(cfg.data, self.tokenizer)
         self._check_data_fits()
-        from qwen3_research.rundir import data_layout
+        from qwen3_research.data import data_layout
 
         self.data_layout = data_layout(cfg, self.dp_size, cfg.data.batch_size, self.tokenizer.sha256, self.data)
 
