@@ -43,8 +43,9 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def checkpoint_root(rc, run_dir: Path) -> Path:
-    root = Path(os.path.expanduser(rc.checkpoint.dir))
-    return root if root.is_absolute() else run_dir / root
+    from qwen3_research.checkpoint import checkpoint_root as root_of
+
+    return root_of(rc.checkpoint, run_dir)
 
 
 def read_summary(run_dir: Path) -> dict | None:

@@ -163,7 +163,8 @@ def test_resume_with_another_model_shape_is_config_error(straight, tmp_path):
 def test_shape_check_reads_the_saved_tensors(straight):
     """Layout-independent check on the DCP metadata itself, as the Trainer runs it before loading."""
     from qwen3_research import device as devices
-    from qwen3_research.checkpoint import check_model_matches, model_tensors
+    from qwen3_research.checkpoint import check_model_matches
+    from qwen3_research.train_state import model_tensors
     from qwen3_research.config import ConfigError, ModelConfig
 
     devices.prepare_torchtitan("cpu")
