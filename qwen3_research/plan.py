@@ -1,10 +1,10 @@
 """``python -m qwen3_research.plan [the same overrides as a run]``: per-rank memory and feasibility, on CPU.
 
-It traces one real training step (forward, loss, backward, gradient clipping, optimizer step) of
-this project's own Trainer -- model build, torchtitan sharding, kernel overrides, the configured
-loss -- on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
-(``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
-(``torch.distributed._tools.mem_tracker``), so the prediction follows the code that will run. No
+It traces one real training step of this project's own Trainer -- model build, torchtitan sharding,
+kernel overrides, and the step's own methods (``forward_backward`` on the run's micro-batches,
+``clip_gradients``, ``optimizer_step``) -- on fake tensors (``torch._subclasses.FakeTensorMode``) over
+a fake process group (``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
+(``qwen3_research.memory``), so the prediction follows the code that will run. No
 tensor memory is allocated: 8B over 64 ranks plans on a laptop (4B over 64 FSDP ranks at seq 4096:
 about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-check.
 
@@ -15,7 +15,7 @@ only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the l
 Two things a real run does outside the tracked step are kept outside it here too
 (``_as_outside_fake_mode``): host work on the device mesh, and DTensor's sharding propagation, which
 runs operators on global-shape fake tensors in a fake mode of its own. The tracker keeps only the
-whole-rank peak (``peak_tracker``: upstream also walks every module after every operator).
+whole-rank peak (``memory.peak_tracker``: upstream also walks every module after every operator).
 
 Not modelled: allocations a collective backend makes internally. On CPU, gloo's reduce-scatter copies
 its input on its worker thread, which the run's tracker sees (one FSDP unit's unsharded gradient: the
@@ -372,7 +372,7 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
                          "print_config": False, "progress_bar": False}
     traced["checkpoint"] = {**resolved["checkpoint"], "enable": False, "resume": None, "export_hf": False}
     traced["compile"] = {**resolved["compile"], "enable": False}
-    traced["training"] = {**resolved["training"], "track_memory": False}
+    traced["training"] = {**resolved["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
     traced["model"] = {**resolved["model"], "init_from": None}
     t0 = time.perf_counter()
     world = degrees.world_size

@@ -47,7 +47,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
     rank: int = 0  # whose random generators ``rng_rank<R>`` holds
-    step: int = 0  # optimizer steps done (skipped ones included)
+    step: int = 0  # optimizer steps done (skipped ones included); also the data position (data.train_batch)
     skipped_steps: list[int] = field(default_factory=list)  # steps skipped under training.nan_policy=skip
     final_loss: float | None = None  # the last logged training loss
     final_eval_loss: float | None = None
