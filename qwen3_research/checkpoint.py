@@ -1,10 +1,10 @@
 """Distributed checkpoints (save, keep, resume). Hugging Face import/export: ``qwen3_research.hf_interop``.
 
 A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` written by
-torch.distributed.checkpoint (DCP: model, optimizer, scheduler, step, per-rank RNG) plus
-``meta.json`` (step, layout, run config). Every rank writes into ``.tmp-step-…`` first;
-rank 0 adds ``meta.json`` last and renames the directory, so a crash mid-save leaves the
-previous checkpoints untouched and the partial one invisible. DCP reshards on load, so a
+torch.distributed.checkpoint (DCP: the run's ``train_state.TrainState`` -- model, optimizer,
+scheduler, step, progress, per-rank RNG) plus ``meta.json`` (step, layout, data layout, run config).
+Every rank writes into ``.tmp-step-…`` first; rank 0 adds ``meta.json`` last and renames the
+directory, so a crash mid-save leaves the previous checkpoints untouched and the partial one invisible. DCP reshards on load, so a
 checkpoint resumes (or exports) under any parallel layout.
 """
 
@@ -238,7 +238,7 @@ def refuse_layout_change(saved: dict | None, current: dict, ckpt: Path, allow: b
     )
 
 
-# -- the trainer's checkpointer -------------------------------------------------------------
+# -- the checkpointer --------------------------------------------------------------------------
 
 
 def _barrier() -> None:
