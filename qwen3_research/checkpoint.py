@@ -4,8 +4,8 @@ A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` writ
 torch.distributed.checkpoint (DCP: the run's ``train_state.TrainState`` -- model, optimizer,
 scheduler, step, progress, per-rank RNG) plus ``meta.json`` (step, layout, data layout, run config).
 Every rank writes into ``.tmp-step-…`` first; rank 0 adds ``meta.json`` last and renames the
-directory, so a crash mid-save leaves the previous checkpoints untouched and the partial one invisible. DCP reshards on load, so a
-checkpoint resumes (or exports) under any parallel layout.
+directory, so a crash mid-save leaves the previous checkpoints untouched and the partial one
+invisible. DCP reshards on load, so a checkpoint resumes (or exports) under any parallel layout.
 """
 
 from __future__ import annotations
