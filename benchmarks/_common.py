@@ -181,7 +181,6 @@ def ratio_per_repeat(res: dict, num: str, den: str) -> list[float]:
 
 
 def trainer_stepper(trainer):
-    def step(i: int):
-        trainer.train_step(i)
-        trainer.step += 1
+    def step(i: int):  # i: the caller's count; the Trainer trains its state's next step
+        trainer.train_step()
     return step

@@ -39,13 +39,13 @@ def main() -> None:
     print(f"traced peak live tensor bytes, tiny, seq_len 2048, batch 4: full {full / GIB:.3f} GiB, "
           f"chunked {chunked / GIB:.3f} GiB, reduction {100 * (1 - chunked / full):.1f} % (target >= 40 %)", flush=True)
 
-    from qwen3_research.plan import track_step
+    from qwen3_research.memory import track_step
 
     trainers = {k: C.build_trainer(BASE + ["data.batch_size=1", f"training.loss={k}", f"training.steps={args.steps + 1}"])
                 for k in ("full", "chunked")}
     measured = {}
     for k, tr in trainers.items():
-        _, peaks = track_step(tr, lambda tr=tr: tr.train_step(0))
+        _, peaks = track_step(tr.train_step, tr.backend.model, tr.optimizer)  # step 1
         measured[k] = peaks[0]
     print(f"measured peak live tensor bytes (real tensors), seq_len 2048, batch 1: full {measured['full'] / GIB:.3f} GiB, "
           f"chunked {measured['chunked'] / GIB:.3f} GiB, reduction {100 * (1 - measured['chunked'] / measured['full']):.1f} %",
@@ -55,7 +55,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         for k, tr in trainers.items():
             t0 = time.perf_counter()
-            loss, _ = tr.train_step(step)
+            loss, _ = tr.train_step()  # step + 1
             times[k].append(time.perf_counter() - t0)
             losses[k].append(loss)
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -48,12 +48,12 @@ def main(argv=None) -> dict:
     hook_in: list[float] = []
     original = trainer.train_step
 
-    def hooked(step: int):
+    def hooked():
         hook_in.append(time.perf_counter())
-        inputs, labels = data[step]
+        inputs, labels = data[trainer.state.step]
         bare_s.append(C.time_call(bare.step, inputs, labels))
         entries.append(time.perf_counter())
-        return original(step)
+        return original()
 
     trainer.train_step = hooked
     with C.quiet_stdout():

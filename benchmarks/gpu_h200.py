@@ -73,8 +73,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 
-    def ours_step(step: int):
-        ours.train_step(step)
+    def ours_step(step: int):  # the Trainer trains its state's next step
+        ours.train_step()
         torch.cuda.synchronize()
 
     t0 = time.perf_counter()

@@ -1,19 +1,17 @@
 """Distributed checkpoints (save, keep, resume). Hugging Face import/export: ``qwen3_research.hf_interop``.
 
 A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` written by
-torch.distributed.checkpoint (DCP: model, optimizer, scheduler, step, per-rank RNG) plus
-``meta.json`` (step, layout, run config). Every rank writes into ``.tmp-step-…`` first;
-rank 0 adds ``meta.json`` last and renames the directory, so a crash mid-save leaves the
-previous checkpoints untouched and the partial one invisible. DCP reshards on load, so a
-checkpoint resumes (or exports) under any parallel layout.
+torch.distributed.checkpoint (DCP: the run's ``train_state.TrainState`` -- model, optimizer,
+scheduler, step, progress, per-rank RNG) plus ``meta.json`` (step, layout, data layout, run config).
+Every rank writes into ``.tmp-step-…`` first; rank 0 adds ``meta.json`` last and renames the
+directory, so a crash mid-save leaves the previous checkpoints untouched and the partial one
+invisible. DCP reshards on load, so a checkpoint resumes (or exports) under any parallel layout.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -21,14 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from qwen3_research.config import RunConfig
+from qwen3_research.config import CheckpointConfig, RunConfig
+from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, write_failure
+from qwen3_research.train_state import TrainState, unwrap
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -205,25 +204,6 @@ def check_model_matches(path: Path, model_state: dict, *, what: str) -> None:
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by their module path, as stored (sharded DTensors stay sharded).
-
-    Not ``state_dict()``: torchtitan's fused QKV renames its weight in state-dict hooks, which
-    DCP's state-dict helpers cannot map back to a module. Detached views, so DCP loads in place.
-    """
-    model = unwrap(model)
-    out = {name: p.detach() for name, p in model.named_parameters()}
-    for mod_name, mod in model.named_modules():
-        for name, b in mod._buffers.items():
-            if b is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{mod_name}.{name}" if mod_name else name] = b.detach()
-    return out
-
-
 def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
     """The unsharded ``state_dict()`` (native key names) on CPU, on rank 0; collective under FSDP/TP."""
     from torch.distributed.tensor import DTensor
@@ -237,7 +217,28 @@ def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Te
     return out
 
 
-# -- the trainer's checkpointer -------------------------------------------------------------
+# -- the data order a resume continues ------------------------------------------------------
+
+
+def refuse_layout_change(saved: dict | None, current: dict, ckpt: Path, allow: bool, quiet: bool = False) -> None:
+    """A resume under another data layout (``data.data_layout``) would not continue the run's data order:
+    refused, or with ``checkpoint.allow_data_change=true`` said once (not by every rank: ``quiet``)."""
+    diffs = layout_differences(saved, current)
+    if not diffs:
+        return
+    if allow:
+        if quiet:
+            return
+        print(f"warning: checkpoint.allow_data_change=true: resuming {ckpt} under another data layout "
+              f"({'; '.join(diffs)}); the data order differs from the original run", file=sys.stderr, flush=True)
+        return
+    raise ConfigError(
+        f"checkpoint.resume: {ckpt} was trained with another data layout ({'; '.join(diffs)}), so the run would not "
+        "continue its data order; resume with the same data settings, or accept it with checkpoint.allow_data_change=true"
+    )
+
+
+# -- the checkpointer --------------------------------------------------------------------------
 
 
 def _barrier() -> None:
@@ -254,38 +255,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# Small non-tensor state travels as JSON bytes: loading a checkpoint never unpickles our data.
-def _to_json_bytes(obj) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def _from_json_bytes(blob: bytes):
-    return json.loads(bytes(blob).decode())
-
-
-def _rng_state() -> bytes:
-    np_state = np.random.get_state()
-    state = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return _to_json_bytes(state)
-
-
-def _set_rng_state(blob: bytes) -> None:
-    state = _from_json_bytes(blob)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 # DCP writes its .metadata with pickle. Before DCP reads it, we unpickle it ourselves with an
@@ -332,43 +301,41 @@ def check_metadata_pickle(path: Path) -> None:
         raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
 
 
-class Checkpointer:
-    """Save every ``checkpoint.every`` steps and at the end, resume before the loop, export HF at the end."""
+def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
+    """Where the run keeps its checkpoints: ``checkpoint.dir``, relative to the run directory unless absolute."""
+    root = Path(os.path.expanduser(cfg.dir))
+    return root if root.is_absolute() else Path(run_dir) / root
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg.checkpoint
-        root = Path(os.path.expanduser(self.cfg.dir))
-        self.root = root if root.is_absolute() else trainer.run_dir / root
+
+class Checkpointer:
+    """Save ``state`` every ``checkpoint.every`` steps and at the end; resume it before the loop.
+
+    ``state``: the run's ``TrainState`` (a torchtitan-style Stateful: what ``state_dict()`` gives is
+    saved, ``load_state_dict()`` gets it back). ``layout``, ``data_layout`` and ``config`` (the run's config as a
+    dict) are what each ``meta.json`` records beside the step; ``data_layout`` is also what a resume must match.
+    """
+
+    def __init__(self, state: TrainState, cfg: CheckpointConfig, *, run_dir: Path, total_steps: int, layout: str,
+                 data_layout: dict | None, config: dict, rank: int = 0, world_size: int = 1):
+        self.state = state
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.root = checkpoint_root(cfg, self.run_dir)
+        self.total_steps = total_steps
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        self.meta = {"layout": layout, "model": config["model"], "config": config, "data_layout": data_layout}
         self.last_saved: int | None = None
         self.resume_from: Path | None = None
         if self.cfg.resume:
             self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
             if self.resume_from is not None:  # fail before anything is written, on every rank
-                check_model_matches(self.resume_from, self._model_state(), what=f"checkpoint.resume={self.cfg.resume}")
-                from qwen3_research.rundir import refuse_layout_change
-
-                refuse_layout_change(read_meta(self.resume_from).get("data_layout"), trainer.data_layout,
-                                     self.resume_from, self.cfg.allow_data_change, quiet=not trainer.is_main)
+                check_model_matches(self.resume_from, state.model_tensors(), what=f"checkpoint.resume={self.cfg.resume}")
+                refuse_layout_change(read_meta(self.resume_from).get("data_layout"), data_layout,
+                                     self.resume_from, self.cfg.allow_data_change, quiet=not self.is_main)
 
     def _log(self, text: str) -> None:
-        if self.trainer.is_main:
+        if self.is_main:
             print(text, flush=True)
-
-    def _model_state(self) -> dict:
-        return model_tensors(self.trainer.backend.model)
-
-    def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        t = self.trainer
-        return {
-            "model": self._model_state(),
-            "optim": get_optimizer_state_dict(unwrap(t.backend.model), t.optimizer),
-            "scheduler": _to_json_bytes(t.scheduler.state_dict()),
-            "progress": _to_json_bytes({"step": t.step, **t.progress_state()}),
-            f"rng_rank{t.rank}": _rng_state(),
-        }
 
     # -- resume ---------------------------------------------------------------------------
     def maybe_resume(self) -> None:
@@ -377,40 +344,36 @@ class Checkpointer:
         if self.resume_from is None:
             return
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        t = self.trainer
-        state = self._state()
-        if f"rng_rank{t.rank}" not in _metadata_keys(self.resume_from):  # resumed under a different world size: keep this rank's RNG
-            state.pop(f"rng_rank{t.rank}")
+        state = self.state.state_dict()
+        saved = _metadata_keys(self.resume_from)
+        for key in [k for k in state if k.startswith("rng_rank") and k not in saved]:
+            state.pop(key)  # resumed under a different world size: this rank keeps its own generators
         check_metadata_pickle(self.resume_from)
         try:
             dcp.load(state, checkpoint_id=str(self.resume_from))
         except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
             raise ConfigError(f"checkpoint.resume: cannot read {self.resume_from} ({_first_line(e)})") from None
-        set_optimizer_state_dict(unwrap(t.backend.model), t.optimizer, state["optim"])
-        t.scheduler.load_state_dict(_from_json_bytes(state["scheduler"]))
-        progress = _from_json_bytes(state["progress"])
-        t.step = int(progress["step"])
-        t.load_progress_state(progress)
-        if f"rng_rank{t.rank}" in state:
-            _set_rng_state(state[f"rng_rank{t.rank}"])
-        self.last_saved = t.step
-        self._log(f"resumed from {self.resume_from} at step {t.step}")
+        self.state.load_state_dict(state)
+        self.last_saved = self.state.step
+        self._log(f"resumed from {self.resume_from} at step {self.state.step}")
 
     # -- save -----------------------------------------------------------------------------
     def maybe_save(self, step: int) -> None:
-        if self.cfg.enable and self.cfg.every and step % self.cfg.every == 0 and step < self.trainer.cfg.training.steps:
+        if self.cfg.enable and self.cfg.every and step % self.cfg.every == 0 and step < self.total_steps:
             self.save(step)
 
-    def save(self, step: int) -> Path:
-        import torch.distributed.checkpoint as dcp
+    def save_now(self) -> Path:
+        """A checkpoint of the current step (also when periodic checkpoints are off): on a stop signal."""
+        if self.last_saved == self.state.step:
+            return self.root / f"step-{self.state.step:08d}"
+        return self.save(self.state.step)
 
-        t = self.trainer
+    def save(self, step: int) -> Path:
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".tmp-step-{step:08d}"
-        if t.is_main:
-            claim_checkpoint_dir(self.root, t.run_dir)
+        if self.is_main:
+            claim_checkpoint_dir(self.root, self.run_dir)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
@@ -419,7 +382,7 @@ class Checkpointer:
             self._write(step, tmp, final)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, permissions, any rank's DCP error
             why, fix = write_failure(e, self.root, "checkpoint.dir")  # before the partial save is removed
-            if t.is_main:
+            if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = list_checkpoints(self.root)
             raise TrainingError(
@@ -427,7 +390,7 @@ class Checkpointer:
                 f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
                 f"{fix}, then resume with checkpoint.resume=auto"
             ) from None
-        if t.is_main:
+        if self.is_main:
             self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
         _barrier()
         self.last_saved = step
@@ -437,17 +400,12 @@ class Checkpointer:
         """DCP into tmp, then meta.json last and an atomic rename to final (rank 0)."""
         import torch.distributed.checkpoint as dcp
 
-        t = self.trainer
-        dcp.save(self._state(), checkpoint_id=str(tmp))
-        if os.environ.get(KILL_IN_SAVE_ENV) == str(step) and t.is_main:
+        dcp.save(self.state.state_dict(), checkpoint_id=str(tmp))
+        if os.environ.get(KILL_IN_SAVE_ENV) == str(step) and self.is_main:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the data written, before it is published
         _barrier()
-        if t.is_main:
-            meta = {
-                "step": step, "time": time.time(), "world_size": t.world_size, "layout": t.degrees.describe(),
-                "model": dataclasses.asdict(t.cfg.model), "config": dataclasses.asdict(t.cfg),
-                "data_layout": getattr(t, "data_layout", None),
-            }
+        if self.is_main:
+            meta = {"step": step, "time": time.time(), "world_size": self.world_size, **self.meta}
             with open(tmp / META, "w") as fh:
                 json.dump(meta, fh, indent=1, default=str)
                 fh.flush()
@@ -469,13 +427,9 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def finish(self) -> None:
-        t = self.trainer
-        if self.cfg.enable and self.last_saved != t.step:
-            self.save(t.step)
-        if self.cfg.export_hf:
-            from qwen3_research.hf_interop.export import export_from_trainer
-
-            export_from_trainer(t, t.run_dir / "hf")
+        """The final save (unless this step is saved already)."""
+        if self.cfg.enable and self.last_saved != self.state.step:
+            self.save(self.state.step)
 
 
 def _metadata_keys(path: Path) -> set[str]:
@@ -520,9 +474,7 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target and init_from config."""
     ck = rc.checkpoint
     if ck.resume:
-        root = Path(os.path.expanduser(ck.dir))
-        root = root if root.is_absolute() else Path(run_dir) / root
-        found = find_checkpoint(ck.resume, root)
+        found = find_checkpoint(ck.resume, checkpoint_root(ck, run_dir))
         if found is not None:
             saved = read_meta(found).get("model", {})
             differ = [f"{k}={saved.get(k)!r}" for k in ("backend", "flavor", "path") if saved.get(k) != getattr(rc.model, k)]

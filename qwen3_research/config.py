@@ -297,7 +297,7 @@ def _non_finite(node: Any, path: str) -> str | None:
 
 # 2**63 - 1: what torch (manual_seed), numpy (SeedSequence) and JSON/W&B (int64) all take.
 SEED_MAX = 2**63 - 1
-FAULT = re.compile(r"^(raise|nan|kill)@[1-9][0-9]*(:rank[0-9]+)?$")
+FAULT = re.compile(r"^(raise|nan|kill|term)@[1-9][0-9]*(:rank[0-9]+)?$")
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # W&B refuses these in a project name (wandb.sdk.wandb_settings.validate_project)
 
 
@@ -409,7 +409,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     if not 0 <= t.seed <= SEED_MAX:
         raise ConfigError(f"training.seed must be in [0, {SEED_MAX}] (0 … 2**63 - 1), got {t.seed}")
     if t.fault is not None and not FAULT.match(t.fault):
-        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill "
+        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill, term "
                           "(e.g. nan@2); it is a test hook: leave it unset")
     _positive("training.log_every", t.log_every)
     _positive("training.eval_every", t.eval_every, allow_zero=True)

@@ -293,3 +293,36 @@ class PackedDataset:
     def _to_batch(rows: np.ndarray) -> Batch:
         t = torch.from_numpy(np.ascontiguousarray(rows))
         return Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
+
+
+# -- data layout -------------------------------------------------------------------------------
+# What fixes the order of training samples, which exact resume relies on (data.train_batch).
+
+LAYOUT_FIELDS = ("seq_len", "global_batch_seqs", "source", "tokenizer_sha256", "files", "text_field", "hf",
+                 "val_fraction", "max_documents", "seed", "train_samples", "tokens")
+
+
+def data_layout(rc, dp: int, batch_size: int, tokenizer_sha256: str | None = None, dataset=None) -> dict:
+    """The fingerprint of the sample order (recorded in every checkpoint's meta.json, compared on resume)."""
+    d = rc.data
+    out = {
+        "seq_len": d.seq_len, "global_batch_seqs": batch_size * dp * rc.training.grad_accum, "source": d.source,
+        "files": d.files if d.source == "files" else None, "text_field": d.text_field if d.source == "files" else None,
+        "hf": ({k: getattr(d.hf, k) for k in ("name", "config_name", "split", "text_field", "max_documents")}
+               if d.source == "hf" else None),
+        "val_fraction": d.val_fraction, "max_documents": d.max_documents, "seed": rc.training.seed,
+    }
+    if tokenizer_sha256:
+        out["tokenizer_sha256"] = tokenizer_sha256
+    if dataset is not None:
+        out["train_samples"] = len(dataset.train)
+        out["tokens"] = dataset.num_tokens
+    return out
+
+
+def layout_differences(saved: dict | None, current: dict) -> list[str]:
+    """One line per field two fingerprints both hold and differ in (an older checkpoint may lack some)."""
+    if not saved:
+        return []
+    return [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in LAYOUT_FIELDS
+            if k in saved and k in current and saved[k] != current[k]]

@@ -42,8 +42,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     from torch.distributed.checkpoint.api import CheckpointException
 
     from qwen3_research import device as devices
-    from qwen3_research.checkpoint import _first_line, check_model_matches, find_checkpoint, model_tensors, read_meta
+    from qwen3_research.checkpoint import _first_line, check_model_matches, find_checkpoint, read_meta
     from qwen3_research.config import to_run_config
+    from qwen3_research.train_state import model_tensors
 
     path = find_checkpoint(checkpoint, what="checkpoint")
     out = Path(os.path.expanduser(out_dir)).resolve()

@@ -179,10 +179,10 @@ def _start_method(rc: RunConfig) -> str:
     its points, or ran some of them in-process): autograd may have started its threads, and torch refuses
     autograd in a child forked after that.
     """
-    from qwen3_research import trainer
+    from qwen3_research import startup
     from qwen3_research.device import resolve_device_type
 
-    if trainer.built_in_this_process:
+    if startup.trainer_built():
         return "spawn"
     return "fork" if resolve_device_type(rc.device.type) == "cpu" else "spawn"
 

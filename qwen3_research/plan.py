@@ -1,10 +1,10 @@
 """``python -m qwen3_research.plan [the same overrides as a run]``: per-rank memory and feasibility, on CPU.
 
-It traces one real training step (forward, loss, backward, gradient clipping, optimizer step) of
-this project's own Trainer -- model build, torchtitan sharding, kernel overrides, the configured
-loss -- on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
-(``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
-(``torch.distributed._tools.mem_tracker``), so the prediction follows the code that will run. No
+It traces one real training step of this project's own Trainer -- model build, torchtitan sharding,
+kernel overrides, and the step's own methods (``forward_backward`` on the run's micro-batches,
+``clip_gradients``, ``optimizer_step``) -- on fake tensors (``torch._subclasses.FakeTensorMode``) over
+a fake process group (``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
+(``qwen3_research.memory``), so the prediction follows the code that will run. No
 tensor memory is allocated: 8B over 64 ranks plans on a laptop (4B over 64 FSDP ranks at seq 4096:
 about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-check.
 
@@ -15,7 +15,7 @@ only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the l
 Two things a real run does outside the tracked step are kept outside it here too
 (``_as_outside_fake_mode``): host work on the device mesh, and DTensor's sharding propagation, which
 runs operators on global-shape fake tensors in a fake mode of its own. The tracker keeps only the
-whole-rank peak (``peak_tracker``: upstream also walks every module after every operator).
+whole-rank peak (``memory.peak_tracker``: upstream also walks every module after every operator).
 
 Not modelled: allocations a collective backend makes internally. On CPU, gloo's reduce-scatter copies
 its input on its worker thread, which the run's tracker sees (one FSDP unit's unsharded gradient: the
@@ -117,85 +117,6 @@ class Plan:
 
 
 # -- the trace ---------------------------------------------------------------------------------
-_CATEGORIES = (("Parameter", "params"), ("Gradient", "grads"), ("Optstate", "optimizer"),
-               ("Activation", "activations"), ("Temp", "backward temps"), ("Buffer", "buffers"), ("Other", "other"))
-
-
-def _snapshot_bytes(tracker) -> tuple[dict, int]:
-    snap = tracker.get_tracker_snapshot("peak")
-    cats = {name: 0 for _, name in _CATEGORIES}
-    total = 0
-    for dev_snap in snap.values():
-        for key, name in _CATEGORIES:
-            cats[name] += int(dev_snap.get(key, 0) or dev_snap.get(_enum_key(key), 0))
-        total += int(dev_snap.get("Total", 0))
-    return cats, total
-
-
-def _enum_key(value: str):
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    for member in _MemRefType:
-        if member.value == value:
-            return member
-    return value
-
-
-def peak_tracker():
-    """PyTorch's MemTracker, keeping only the whole-rank peak.
-
-    MemTracker updates a per-module peak after every operator by walking every module it has seen
-    (a weak dictionary of ~10 per decoder layer) -- O(operators x modules), 73 % of an 11-minute
-    4B trace. The whole-rank peak and its per-category snapshot are updated exactly as upstream
-    does (``_update_peak_stats``, second loop); per-module peaks, which nothing here reads, are not.
-    """
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs) -> None:
-            # A second forward of the root module in one tracked step (training.grad_accum > 1) is refused upstream
-            # ("multiple iterative calls"; fix: reset_mod_stats). Only per-module stats are reset, which nothing
-            # here reads; the whole-rank peak below spans every micro-batch.
-            if not self._mod_tracker.is_bw and module in self.memory_tracking and \
-                    set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(dev_snap)  # ints: a shallow copy is upstream's deepcopy
-
-    return PeakTracker()
-
-
-def _tracked(trainer, step_fn) -> tuple:
-    """``step_fn()`` under the peak tracker, with the trainer's model and optimizer as known owners of their
-    tensors: (its result, bytes per category at the peak, peak bytes). The plan's trace and a run's
-    measurement both go through here, so they count the same way."""
-    tracker = peak_tracker()
-    tracker.track_external(trainer.backend.model, trainer.optimizer)
-    with tracker:
-        result = step_fn()
-    return (result, *_snapshot_bytes(tracker))
-
-
-def track_step(trainer, step_fn):
-    """Run ``step_fn`` (one training step of ``trainer``) under MemTracker; return (its result, peak bytes per rank).
-
-    Collective when the run has several ranks (every rank calls it at the same step).
-    """
-    import torch
-
-    result, _, peak = _tracked(trainer, step_fn)
-    peaks = [peak]
-    if trainer.world_size > 1:
-        peaks = [None] * trainer.world_size
-        torch.distributed.all_gather_object(peaks, peak)
-    return result, peaks
-
-
 def _optimizer_state_as_after_one_step(trainer) -> None:
     """Create the optimizer's state (AdamW's two moments per parameter) as the first step does.
 
@@ -213,23 +134,14 @@ def _optimizer_state_as_after_one_step(trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _fake_step(trainer) -> None:
-    """The body of Trainer.train_step without the host reads (a fake tensor has no value)."""
-    import torch
-
-    t = trainer.cfg.training
-    cfg = trainer.cfg
-    b = cfg.data.batch_size
-    vocab = getattr(getattr(trainer.backend, "flavor", None), "vocab_size", None) or trainer.backend.vocab_size
-    for _ in range(t.grad_accum):
-        inputs = torch.randint(0, vocab, (b, cfg.data.seq_len), device=trainer.device.torch_device)
-        labels = torch.randint(0, vocab, (b, cfg.data.seq_len), device=trainer.device.torch_device)
-        loss = trainer._loss(inputs, labels) / t.grad_accum
-        (loss * trainer.loss_scale).backward()
-        del loss
-    trainer._clip_grad_norm(trainer.backend.model)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+def _traced_step(trainer) -> None:
+    """One step of the Trainer's own methods, as ``Trainer.train_step`` runs them: ``forward_backward`` on each
+    micro-batch of the run's data, ``clip_gradients``, ``optimizer_step``. Left out: what reads a value on the
+    host (the loss all-reduce and its ``float``, the NaN policy), which a fake tensor does not have."""
+    for batch in trainer.micro_batches(0):
+        trainer.forward_backward(batch)
+    trainer.clip_gradients()
+    trainer.optimizer_step()
 
 
 @contextlib.contextmanager
@@ -290,6 +202,7 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from qwen3_research.config import to_run_config
+    from qwen3_research.memory import tracked
     from qwen3_research.trainer import RunInfo, Trainer
 
     env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1"}
@@ -305,7 +218,7 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
             _optimizer_state_as_after_one_step(trainer)
-            _, cats, peak = _tracked(trainer, lambda: _fake_step(trainer))
+            _, cats, peak = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
             even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
             kp = trainer.kernel_plan
             lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
@@ -425,7 +338,7 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
                          "print_config": False, "progress_bar": False}
     traced["checkpoint"] = {**resolved["checkpoint"], "enable": False, "resume": None, "export_hf": False}
     traced["compile"] = {**resolved["compile"], "enable": False}
-    traced["training"] = {**resolved["training"], "track_memory": False}
+    traced["training"] = {**resolved["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
     traced["model"] = {**resolved["model"], "init_from": None}
     t0 = time.perf_counter()
     world = degrees.world_size

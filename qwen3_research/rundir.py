@@ -44,8 +44,9 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def checkpoint_root(rc, run_dir: Path) -> Path:
-    root = Path(os.path.expanduser(rc.checkpoint.dir))
-    return root if root.is_absolute() else run_dir / root
+    from qwen3_research.checkpoint import checkpoint_root as root_of
+
+    return root_of(rc.checkpoint, run_dir)
 
 
 def read_summary(run_dir: Path) -> dict | None:
@@ -53,53 +54,6 @@ def read_summary(run_dir: Path) -> dict | None:
         return json.loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
-
-
-# -- data layout ------------------------------------------------------------------------------
-# What fixes the order of training samples, which exact resume relies on (data.train_batch).
-
-LAYOUT_FIELDS = ("seq_len", "global_batch_seqs", "source", "tokenizer_sha256", "files", "text_field", "hf",
-                 "val_fraction", "max_documents", "seed", "train_samples", "tokens")
-
-
-def data_layout(rc, dp: int, batch_size: int, tokenizer_sha256: str | None = None, dataset=None) -> dict:
-    d = rc.data
-    out = {
-        "seq_len": d.seq_len, "global_batch_seqs": batch_size * dp * rc.training.grad_accum, "source": d.source,
-        "files": d.files if d.source == "files" else None, "text_field": d.text_field if d.source == "files" else None,
-        "hf": ({k: getattr(d.hf, k) for k in ("name", "config_name", "split", "text_field", "max_documents")}
-               if d.source == "hf" else None),
-        "val_fraction": d.val_fraction, "max_documents": d.max_documents, "seed": rc.training.seed,
-    }
-    if tokenizer_sha256:
-        out["tokenizer_sha256"] = tokenizer_sha256
-    if dataset is not None:
-        out["train_samples"] = len(dataset.train)
-        out["tokens"] = dataset.num_tokens
-    return out
-
-
-def layout_differences(saved: dict | None, current: dict) -> list[str]:
-    if not saved:
-        return []
-    return [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in LAYOUT_FIELDS
-            if k in saved and k in current and saved[k] != current[k]]
-
-
-def refuse_layout_change(saved: dict | None, current: dict, ckpt: Path, allow: bool, quiet: bool = False) -> None:
-    diffs = layout_differences(saved, current)
-    if not diffs:
-        return
-    if allow:
-        if quiet:
-            return
-        print(f"warning: checkpoint.allow_data_change=true: resuming {ckpt} under another data layout "
-              f"({'; '.join(diffs)}); the data order differs from the original run", file=sys.stderr, flush=True)
-        return
-    raise ConfigError(
-        f"checkpoint.resume: {ckpt} was trained with another data layout ({'; '.join(diffs)}), so the run would not "
-        "continue its data order; resume with the same data settings, or accept it with checkpoint.allow_data_change=true"
-    )
 
 
 # -- the checks -------------------------------------------------------------------------------
@@ -162,8 +116,9 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
         raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
                               "(raise training.steps to train further)")
     if dp is not None and batch_size is not None:
-        from qwen3_research.data import tokenizer_path, _sha256
         from qwen3_research import models
+        from qwen3_research.checkpoint import refuse_layout_change
+        from qwen3_research.data import _sha256, data_layout, tokenizer_path
 
         sha = _sha256(tokenizer_path(models.tokenizer_spec(rc)))
         refuse_layout_change(meta.get("data_layout"), data_layout(rc, dp, batch_size, sha), found,

@@ -14,12 +14,35 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from qwen3_research.config import RunConfig
+
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricSink:
+    def resume_at(self, step: int) -> None: ...  # a resumed run continues from this step's checkpoint (before start)
     def start(self, config: dict, summary: dict) -> None: ...
     def log(self, record: dict) -> None: ...
     def commit(self) -> None: ...  # a checkpoint now holds every logged step
     def finish(self, summary: dict) -> None: ...
+
+
+def build_sinks(cfg: RunConfig, run_dir: Path, *, is_main: bool, wandb_group: str | None = None,
+                wandb_name: str | None = None, swept: dict | None = None) -> MetricSink:
+    """The run's sinks: console, ``metrics.jsonl`` and W&B on rank 0 (appending when the run resumes), none
+    on the other ranks."""
+    if not is_main:
+        return Sinks([])
+    lc, ck = cfg.logging, cfg.checkpoint
+    metrics = run_dir / METRICS_FILE
+    return Sinks([
+        ConsoleSink(cfg.training.steps, lc.progress_bar, lc.print_config),
+        JsonlSink(metrics, append=bool(ck.resume)),
+        # With periodic checkpoints W&B receives rows when a checkpoint holds them, so a run killed
+        # and resumed logs every step once in its one W&B run.
+        WandbSink(lc.wandb, run_dir, wandb_group, wandb_name or run_dir.name, swept=swept,
+                  hold_until_commit=bool(ck.enable and ck.every), metrics=metrics),
+    ])
 
 
 def _fmt(v: Any) -> str:
@@ -77,6 +100,19 @@ class ConsoleSink(MetricSink):
         self._write("done: " + " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
 
 
+def rows_through(path: Path, step: int) -> list[tuple[str, dict]]:
+    """(line, row) of the ``metrics.jsonl`` rows of steps <= ``step``; a line cut short by a kill is skipped."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            out.append((line, row))
+    return out
+
+
 class JsonlSink(MetricSink):
     """``metrics.jsonl``: one JSON object per logged step, flushed line by line."""
 
@@ -84,18 +120,10 @@ class JsonlSink(MetricSink):
         self.path = path
         self.fh = open(path, "a" if append else "w", encoding="utf-8")
 
-    def cut_back(self, step: int) -> list[dict]:
-        """Keep only the rows of steps <= ``step`` (a resume from that step's checkpoint), atomically."""
+    def resume_at(self, step: int) -> None:
+        """Keep only the rows of steps <= ``step`` (the steps after it are trained again), atomically."""
         self.fh.close()
-        kept, rows = [], []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                kept.append(line + "\n")
-                rows.append(row)
+        kept = [line + "\n" for line, _ in rows_through(self.path, step)]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(kept)
@@ -103,7 +131,6 @@ class JsonlSink(MetricSink):
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
         self.fh = open(self.path, "a", encoding="utf-8")
-        return rows
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -152,12 +179,27 @@ def redact_secrets(obj):
     return walk(obj)
 
 
+def swept_config_fields(swept: dict[str, str]) -> dict[str, Any]:
+    """Top-level W&B config fields for the swept keys: 'tp', 'seq_len', … (full key on a clash)."""
+    short = {}
+    for key, value in swept.items():
+        name = key.split(".")[-1]
+        if name in short or sum(k.split(".")[-1] == name for k in swept) > 1:
+            name = key.replace(".", "_")
+        try:
+            short[name] = json.loads(value)
+        except (TypeError, ValueError):
+            short[name] = value
+    return short
+
+
 class WandbSink(MetricSink):
     """A W&B run (offline by default). Any W&B error turns this sink off with one warning."""
 
     def __init__(self, cfg, run_dir: Path, group: str | None, name: str, job_type: str = "train",
-                 swept: dict | None = None, hold_until_commit: bool = False):
+                 swept: dict | None = None, hold_until_commit: bool = False, metrics: Path | None = None):
         self.cfg = cfg
+        self.metrics = metrics  # the run's metrics.jsonl: what a resumed run replays from
         self.hold_until_commit = hold_until_commit
         self.pending: list[dict] = []
         self.replay: list[dict] = []  # a resumed run: metrics.jsonl rows up to its checkpoint
@@ -168,6 +210,10 @@ class WandbSink(MetricSink):
         self.job_type = job_type
         self.swept = swept or {}
         self.run = None
+
+    def resume_at(self, step: int) -> None:
+        """The checkpointed rows (metrics.jsonl up to ``step``), for ``start`` to log those this W&B run lacks."""
+        self.replay = [row for _, row in rows_through(self.metrics, step)] if self.metrics else []
 
     def _fail(self, what: str, e: BaseException) -> None:
         warnings.warn(f"W&B {what} failed ({type(e).__name__}: {e}); training continues without W&B", stacklevel=2)
@@ -246,8 +292,6 @@ class WandbSink(MetricSink):
     def _with_swept(self, config: dict) -> dict:
         if not self.swept:
             return config
-        from qwen3_research.sweep import swept_config_fields
-
         return {**config, **swept_config_fields(self.swept), "swept_keys": sorted(self.swept)}
 
     def log(self, record: dict) -> None:
@@ -310,6 +354,10 @@ def _offline_steps_delivered(run_dir: Path, run_id: str) -> int:
 class Sinks(MetricSink):
     def __init__(self, sinks: list[MetricSink]):
         self.sinks = sinks
+
+    def resume_at(self, step: int) -> None:
+        for s in self.sinks:
+            s.resume_at(step)
 
     def start(self, config: dict, summary: dict) -> None:
         for s in self.sinks:

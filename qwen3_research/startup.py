@@ -1,4 +1,5 @@
-"""What a command's process sets up for itself: Ctrl-C while it imports, and what libraries may print.
+"""What a command's process sets up for itself: Ctrl-C while it imports, what libraries may print, and
+whether it has built a Trainer (which decides how it may start worker processes).
 
 Every entry point (``python -m qwen3_research``, ``.export``) and every worker rank calls these; the
 rest of the package never touches signal dispositions for start-up, ``warnings`` or the root logger.
@@ -66,3 +67,20 @@ def quiet_libraries() -> None:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             if not any(isinstance(f, _LibraryInfoOffConsole) for f in handler.filters):
                 handler.addFilter(_LibraryInfoOffConsole())
+
+
+# Set once a Trainer is built in this process (a single-process run, a sweep point run in-process, a plan's
+# fake-tensor trace): autograd may have started its threads here, and then a forked child cannot use autograd
+# (torch refuses: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). The launcher spawns worker groups
+# from such a process instead of forking them.
+_trainer_built = False
+
+
+def note_trainer_built() -> None:
+    global _trainer_built
+    _trainer_built = True
+
+
+def trainer_built() -> bool:
+    """Whether this process has built a Trainer (then its children are spawned, not forked)."""
+    return _trainer_built

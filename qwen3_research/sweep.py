@@ -36,20 +36,6 @@ def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> se
     return keys
 
 
-def swept_config_fields(swept: dict[str, str]) -> dict[str, Any]:
-    """Top-level W&B config fields for the swept keys: 'tp', 'seq_len', … (full key on a clash)."""
-    short = {}
-    for key, value in swept.items():
-        name = key.split(".")[-1]
-        if name in short or sum(k.split(".")[-1] == name for k in swept) > 1:
-            name = key.replace(".", "_")
-        try:
-            short[name] = json.loads(value)
-        except (TypeError, ValueError):
-            short[name] = value
-    return short
-
-
 class SweepReport(Callback):
     """Before a multirun: the plan of every point (``sweep.plan``, printed, ``plan.json``). At its end:
     comparison table and plots in the sweep dir, sweep.json with the wall time; exit status 3 when

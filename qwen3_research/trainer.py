@@ -6,6 +6,7 @@ memory is gathered from every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research import device as devices
-from qwen3_research import parallel, titan
+from qwen3_research import parallel, startup, titan
 from qwen3_research.config import RunConfig
 
 
@@ -38,17 +39,16 @@ def dist_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-# Set once a Trainer is built in this process (a single-process run, a sweep point run in-process, a
-# plan's fake-tensor trace): autograd may have started its threads here, and then a forked child cannot
-# use autograd (torch refuses: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). launch.py
-# spawns worker groups from such a process instead of forking them.
-built_in_this_process = False
-
-
 class Trainer:
+    """Build everything from one RunConfig (``__init__``), then loop (``train``).
+
+    One step (``train_step``) is ``forward_backward`` per micro-batch, ``clip_gradients``, the NaN policy and
+    ``optimizer_step``; the planner (``qwen3_research.plan``) traces the same methods on fake tensors. What a
+    checkpoint holds is ``self.state`` (``TrainState``).
+    """
+
     def __init__(self, cfg: RunConfig, info: RunInfo, resolved_config: dict):
-        global built_in_this_process
-        built_in_this_process = True
+        startup.note_trainer_built()
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(info.run_dir)
@@ -87,7 +87,7 @@ class Trainer:
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
         self.data = PackedDataset(cfg.data, self.tokenizer)
         self._check_data_fits()
-        from qwen3_research.rundir import data_layout
+        from qwen3_research.data import data_layout
 
         self.data_layout = data_layout(cfg, self.dp_size, cfg.data.batch_size, self.tokenizer.sha256, self.data)
 
@@ -111,7 +111,6 @@ class Trainer:
             self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
-        self.forward = self.backend.forward
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -120,16 +119,19 @@ class Trainer:
 
         self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
-        self.step = 0
-        self.skipped_steps: list[int] = []  # steps skipped under training.nan_policy=skip
-        from qwen3_research.metrics import StepTimer
+        from qwen3_research.checkpoint import Checkpointer
+        from qwen3_research.sinks import build_sinks
+        from qwen3_research.train_state import TrainState
 
-        self.timer = StepTimer()
-        self.last_record: dict = {}  # the last logged record (final_loss)
-        self.last_eval_loss: float | None = None
-        self.state_bytes: dict | None = None
-        self.checkpointer = self._build_checkpointer()
-        self.sinks = self._build_sinks(resolved_config)
+        self.state = TrainState(self.backend.model, self.optimizer, self.scheduler, rank=self.rank)
+        self.state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
+        self.checkpointer = Checkpointer(
+            self.state, cfg.checkpoint, run_dir=self.run_dir, total_steps=cfg.training.steps, layout=self.degrees.describe(),
+            data_layout=self.data_layout, config=dataclasses.asdict(cfg), rank=self.rank, world_size=self.world_size,
+        )
+        self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
+                                 wandb_name=info.wandb_name, swept=info.swept)
+        self.resolved_config = resolved_config
         self.build_s = time.perf_counter() - t_start
 
     # -- construction helpers ----------------------------------------------------------------
@@ -142,6 +144,7 @@ class Trainer:
         rows = [None] * self.world_size
         torch.distributed.all_gather_object(rows, row)
         return rows
+
     def _check_data_fits(self) -> None:
         """A global batch larger than the data is refused; no held-out documents turns evaluation off."""
         t, d = self.cfg.training, self.cfg.data
@@ -162,19 +165,6 @@ class Trainer:
                 print(f"warning: no held-out documents (data.val_fraction={d.val_fraction}, {self.data.num_documents} "
                       "documents); evaluation is off for this run (training.eval_every ignored)", file=sys.stderr, flush=True)
 
-    def progress_state(self) -> dict:
-        """Everything the summary reports that a resumed run must carry on (saved in every checkpoint)."""
-        return {"skipped_steps": list(self.skipped_steps), "final_loss": self.last_record.get("loss"),
-                "final_eval_loss": self.last_eval_loss, "timer": self.timer.state()}
-
-    def load_progress_state(self, state: dict) -> None:
-        self.skipped_steps = list(state.get("skipped_steps", []))
-        if state.get("final_loss") is not None:
-            self.last_record = {"loss": state["final_loss"]}
-        self.last_eval_loss = state.get("final_eval_loss")
-        if state.get("timer"):
-            self.timer.load(state["timer"])
-
     def _dp_coordinates(self) -> tuple[int, int]:
         if not self.degrees.sharded or self.degrees.dp == 1:
             return 0, 1
@@ -188,35 +178,6 @@ class Trainer:
 
         return apply_overrides(self.backend.model, self.cfg, self.device)
 
-    def _build_checkpointer(self):
-        if not (self.cfg.checkpoint.enable or self.cfg.checkpoint.resume or self.cfg.checkpoint.export_hf):
-            return None
-        from qwen3_research.checkpoint import Checkpointer
-
-        return Checkpointer(self)
-
-    def _build_sinks(self, resolved_config: dict):
-        from qwen3_research.sinks import ConsoleSink, JsonlSink, Sinks, WandbSink
-
-        if not self.is_main:
-            return Sinks([])
-        lc = self.cfg.logging
-        resuming = bool(self.cfg.checkpoint.resume)
-        ck = self.cfg.checkpoint
-        self._jsonl = JsonlSink(self.run_dir / "metrics.jsonl", append=resuming)
-        self._wandb = None
-        sinks = [
-            ConsoleSink(self.cfg.training.steps, lc.progress_bar, lc.print_config),
-            self._jsonl,
-            # With periodic checkpoints W&B receives rows when a checkpoint holds them, so a run killed
-            # and resumed logs every step once in its one W&B run.
-            WandbSink(lc.wandb, self.run_dir, self.info.wandb_group, self.info.wandb_name or self.run_dir.name,
-                      swept=self.info.swept, hold_until_commit=bool(ck.enable and ck.every)),
-        ]
-        self._wandb = sinks[-1]
-        self._resolved_config = resolved_config
-        return Sinks(sinks)
-
     # -- the loop --------------------------------------------------------------------------
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
@@ -225,7 +186,7 @@ class Trainer:
             with self.device.autocast(self.cfg.training.mixed_precision):
                 return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens)
         with self.device.autocast(self.cfg.training.mixed_precision):
-            logits = self.forward(inputs)
+            logits = self.backend.forward(inputs)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
             logits = logits.full_tensor()
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -237,46 +198,67 @@ class Trainer:
             value = value / self.dp_size
         return value
 
-    def train_step(self, step: int) -> tuple[float, float]:
+    def micro_batches(self, step: int):
+        """This data-parallel rank's training.grad_accum micro-batches of optimizer step ``step`` (0-based)."""
         t = self.cfg.training
-        model = self.backend.model
-        loss_sum = torch.zeros((), device=self.device.torch_device)
         for micro in range(t.grad_accum):
-            batch = self.data.train_batch(step, micro, t.grad_accum, self.dp_rank, self.dp_size, t.seed)
-            inputs = batch.inputs.to(self.device.torch_device)
-            labels = batch.labels.to(self.device.torch_device)
-            loss = self._loss(inputs, labels) / t.grad_accum
-            loss = _inject_fault(t.fault, step + 1, self.rank, loss)
-            (loss * self.loss_scale).backward()
-            loss_sum += loss.detach()
-        grad_norm = self._clip_grad_norm(model)
-        loss_value = float(self._all_reduce_mean(loss_sum))
-        grad_value = float(grad_norm)
-        if not (torch.isfinite(torch.tensor([loss_value, grad_value])).all()):
-            self.optimizer.zero_grad(set_to_none=True)
-            if t.nan_policy == "stop":
-                raise TrainingError(
-                    f"step {step + 1}: non-finite loss={loss_value} or grad_norm={grad_value}; stopped "
-                    "(training.nan_policy=stop). Lower optimizer.lr or set training.nan_policy=skip"
-                )
-            self.skipped_steps.append(step + 1)
-            return loss_value, grad_value  # skip: no update this step
-        self.optimizer.step()
-        if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
-            from qwen3_research.parallel import state_bytes
+            yield self.data.train_batch(step, micro, t.grad_accum, self.dp_rank, self.dp_size, t.seed)
 
-            self.state_bytes = state_bytes(model, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return loss_value, grad_value
+    def forward_backward(self, batch) -> torch.Tensor:
+        """One micro-batch of the step being trained: forward, the configured loss ÷ training.grad_accum, backward.
+        Returns that loss, detached (not reduced over ranks)."""
+        t = self.cfg.training
+        inputs = batch.inputs.to(self.device.torch_device)
+        labels = batch.labels.to(self.device.torch_device)
+        loss = self._loss(inputs, labels) / t.grad_accum
+        loss = _inject_fault(t.fault, self.state.step + 1, self.rank, loss)
+        (loss * self.loss_scale).backward()
+        return loss.detach()
 
-    def _clip_grad_norm(self, model) -> torch.Tensor:
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the gradients to optimizer.grad_clip (0: no clipping); their total norm before clipping."""
         from qwen3_research import titan
 
         max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in self.backend.model.parameters() if p.grad is not None]
         norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def optimizer_step(self) -> None:
+        """Apply the update, free the gradients, advance the learning-rate schedule."""
+        self.optimizer.step()
+        if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
+            self.state_bytes = parallel.state_bytes(self.backend.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def skips_update(self, loss: float, grad_norm: float) -> bool:
+        """training.nan_policy for a non-finite loss or gradient norm: stop (TrainingError), or skip this step's
+        update (True; the gradients are dropped and the step is recorded in ``state.skipped_steps``)."""
+        if torch.isfinite(torch.tensor([loss, grad_norm])).all():
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        if self.cfg.training.nan_policy == "stop":
+            raise TrainingError(
+                f"step {step}: non-finite loss={loss} or grad_norm={grad_norm}; stopped "
+                "(training.nan_policy=stop). Lower optimizer.lr or set training.nan_policy=skip"
+            )
+        self.state.skipped_steps.append(step)
+        return True
+
+    def train_step(self) -> tuple[float, float]:
+        """Optimizer step ``state.step + 1``; afterwards ``state.step`` counts it. (loss averaged over the
+        data-parallel ranks, gradient norm)."""
+        loss = torch.zeros((), device=self.device.torch_device)
+        for batch in self.micro_batches(self.state.step):
+            loss += self.forward_backward(batch)
+        grad_norm = self.clip_gradients()
+        loss_value, grad_value = float(self._all_reduce_mean(loss)), float(grad_norm)
+        if not self.skips_update(loss_value, grad_value):
+            self.optimizer_step()
+        self.state.step += 1
+        return loss_value, grad_value
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -322,75 +304,79 @@ class Trainer:
         }
 
     def train(self) -> dict:
-        cfg, t = self.cfg, self.cfg.training
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_resume()
-        if self.is_main and cfg.checkpoint.resume:
-            self._wandb.replay = self._jsonl.cut_back(self.step)  # steps after the checkpoint are trained again
-        if self.is_main:
-            config = {**self._resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self._resolved_config
-            self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
+        cfg, t, state = self.cfg, self.cfg.training, self.state
+        self.checkpointer.maybe_resume()
+        if cfg.checkpoint.resume:
+            self.sinks.resume_at(state.step)  # steps after the checkpoint are trained again
+        config = {**self.resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self.resolved_config
+        self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(self._compute_dtype())
-        timer = self.timer
+        peak_live_bytes = None
         self.backend.model.train()
         from qwen3_research.signals import Interrupted, StopOnSignal
 
         try:
             with StopOnSignal(self.world_size, self.device.torch_device) as stop:
-                while self.step < t.steps:
+                while state.step < t.steps:
                     self.device.synchronize()
                     t0 = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
                     # peak live tensor bytes of one steady step per rank: the second (AdamW's state exists),
                     # or the first of a one-step run
-                    if t.track_memory and self.step == min(1, t.steps - 1):
-                        from qwen3_research.plan import track_step
+                    if t.track_memory and state.step == min(1, t.steps - 1):
+                        from qwen3_research.memory import track_step
 
-                        (loss, grad_norm), self.peak_live_bytes = track_step(self, lambda: self.train_step(self.step))
+                        (loss, grad_norm), peak_live_bytes = track_step(self.train_step, self.backend.model,
+                                                                        self.optimizer, self.world_size)
                     else:
-                        loss, grad_norm = self.train_step(self.step)
+                        loss, grad_norm = self.train_step()
                     self.device.synchronize()
                     dt = time.perf_counter() - t0
-                    timer.add(dt)
-                    self.step += 1
+                    state.timer.add(dt)
                     record = None
-                    if self.step % t.log_every == 0 or self.step == t.steps or self.step == 1:
+                    if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
-                    if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
-                        _signal_launcher_at_eval(t.fault, self.step, self.rank, self.world_size)
-                        self.last_eval_loss = self.evaluate()
-                        record = record or {"step": self.step}
-                        record["eval_loss"] = self.last_eval_loss
+                    if self.eval_every and (state.step % self.eval_every == 0 or state.step == t.steps):
+                        _signal_launcher_at_eval(t.fault, state.step, self.rank, self.world_size)
+                        state.final_eval_loss = self.evaluate()
+                        record = record or {"step": state.step}
+                        record["eval_loss"] = state.final_eval_loss
                     if record is not None and self.is_main:
                         self.sinks.log(record)
                         if "loss" in record:
-                            self.last_record = record
-                    if self.checkpointer is not None:
-                        self.checkpointer.maybe_save(self.step)
-                        if self.is_main and self.checkpointer.last_saved == self.step:
-                            self.sinks.commit()
+                            state.final_loss = record["loss"]
+                    self.checkpointer.maybe_save(state.step)
+                    if self.checkpointer.last_saved == state.step:
+                        self.sinks.commit()
                     signum = stop.requested()
-                    if signum and self.step < t.steps:
-                        raise Interrupted(signum, self.step, self._save_now())
+                    if signum and state.step < t.steps:
+                        raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
         except BaseException as e:
-            if self.is_main:
-                status = "interrupted" if isinstance(e, Interrupted) else "failed"
-                self.sinks.finish({"status": status, "step": self.step})
+            status = "interrupted" if isinstance(e, Interrupted) else "failed"
+            self.sinks.finish({"status": status, "step": state.step})
             raise
-        if self.checkpointer is not None:
-            self.checkpointer.finish()
+        self.checkpointer.finish()
+        if cfg.checkpoint.export_hf:
+            self.export_hf()
         summary = {
-            "status": "ok", "steps": self.step, "skipped_steps": self.skipped_steps, "final_loss": self.last_record.get("loss"),
-            "final_eval_loss": self.last_eval_loss, "batch_size": cfg.data.batch_size,
+            "status": "ok", "steps": state.step, "skipped_steps": state.skipped_steps, "final_loss": state.final_loss,
+            "final_eval_loss": state.final_eval_loss, "batch_size": cfg.data.batch_size,
             "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision,
-            "first_step_s": timer.first_step_s, "steady_step_s": timer.steady_mean_s, "build_s": self.build_s,
+            "first_step_s": state.timer.first_step_s, "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
         }
-        if getattr(self, "peak_live_bytes", None):
-            summary["peak_live_bytes_per_rank"] = self.peak_live_bytes
-        if self.is_main:
-            self.sinks.finish(summary)
+        if peak_live_bytes:
+            summary["peak_live_bytes_per_rank"] = peak_live_bytes
+        self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
+
+    def export_hf(self) -> dict | None:
+        """The trained model -> ``<run dir>/hf``, verified (collective)."""
+        from qwen3_research.hf_interop.export import compute_dtype, export_trained, held_out_inputs
+
+        return export_trained(self.backend, self.run_dir / "hf", inputs=held_out_inputs(self.data),
+                              device=self.device.torch_device, tokenizer=self.tokenizer,
+                              compute_dtype=compute_dtype(self.cfg, self.backend))
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
         from qwen3_research.metrics import mfu, tokens_per_second
@@ -398,26 +384,17 @@ class Trainer:
         tps = tokens_per_second(tokens_per_step, dt)
         rows = self._memory_rows()
         record = {
-            "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            "step": self.state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_s": tps, "mfu": mfu(self.backend.flops_per_token, tps, peak, self.world_size),
-            "step_time_s": dt, "tokens": self.step * tokens_per_step,
+            "step_time_s": dt, "tokens": self.state.step * tokens_per_step,
             "mem_current_gib": rows[0]["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
             "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
         }
-        if self.step == 1:
+        if self.state.step == 1:
             record["first_step"] = True
-        if self.skipped_steps and self.skipped_steps[-1] == self.step:
+        if self.state.skipped_steps and self.state.skipped_steps[-1] == self.state.step:
             record["skipped"] = True
         return record
-
-    def _save_now(self) -> str | None:
-        """A checkpoint of the current step (also when periodic checkpoints are off)."""
-        from qwen3_research.checkpoint import Checkpointer
-
-        ck = self.checkpointer or Checkpointer(self)
-        if ck.last_saved == self.step:
-            return str(ck.root / f"step-{self.step:08d}")
-        return str(ck.save(self.step))
 
     def close(self) -> None:
         if torch.distributed.is_initialized():  # also the one-rank group of a single MoE process

@@ -73,7 +73,7 @@ def main() -> None:
     ref = torch.load(ref_path, weights_only=True)
     trainer.backend.model.eval()
     with torch.no_grad():
-        logits = trainer.forward(ref["inputs"])
+        logits = trainer.backend.forward(ref["inputs"])
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                 for p in trainer.backend.model.parameters())  # this rank's shards

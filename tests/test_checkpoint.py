@@ -163,7 +163,8 @@ def test_resume_with_another_model_shape_is_config_error(straight, tmp_path):
 def test_shape_check_reads_the_saved_tensors(straight):
     """Layout-independent check on the DCP metadata itself, as the Trainer runs it before loading."""
     from qwen3_research import device as devices
-    from qwen3_research.checkpoint import check_model_matches, model_tensors
+    from qwen3_research.checkpoint import check_model_matches
+    from qwen3_research.train_state import model_tensors
     from qwen3_research.config import ConfigError, ModelConfig
 
     devices.prepare_torchtitan("cpu")
@@ -193,3 +194,44 @@ def test_dp_shard2_export_and_resume(straight, tmp_path):
     ref, got = train_losses(ref_run), train_losses(run)
     print(f"\ndp_shard=2 steps 4-6 straight {ref[3:]}\n                    resumed  {got[3:]}")
     assert len(got) == 6 and got == ref
+
+
+def test_checkpointer_saves_and_resumes_a_train_state_without_a_trainer(tmp_path):
+    """The checkpointer's whole input is a TrainState and its config: a plain module, AdamW and a schedule
+    round-trip (weights, optimizer moments, schedule, step, progress, RNG), and meta.json records what it was given."""
+    from qwen3_research.checkpoint import Checkpointer
+    from qwen3_research.config import CheckpointConfig
+    from qwen3_research.train_state import TrainState
+
+    def state(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
+
+    def checkpointer(s: TrainState, resume: str | None = None) -> Checkpointer:
+        return Checkpointer(s, CheckpointConfig(enable=True, every=1, resume=resume), run_dir=tmp_path, total_steps=5,
+                            layout="world=1", data_layout={"seq_len": 4}, config={"model": {"backend": "toy"}})
+
+    saved = state(0)
+    for _ in range(2):
+        saved.model(torch.ones(2, 4)).sum().backward()
+        saved.optimizer.step()
+        saved.optimizer.zero_grad()
+        saved.scheduler.step()
+        saved.step += 1
+    saved.skipped_steps, saved.final_loss, saved.final_eval_loss = [1], 0.5, 0.25
+    saved.timer.add(1.0)
+    path = checkpointer(saved).save(saved.step)
+    rand_after_save = torch.rand(3)
+
+    loaded = state(1)  # other weights, no optimizer state
+    checkpointer(loaded, resume="auto").maybe_resume()
+    assert loaded.step == 2 and loaded.skipped_steps == [1] and (loaded.final_loss, loaded.final_eval_loss) == (0.5, 0.25)
+    assert loaded.timer.first_step_s == 1.0 and loaded.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.parameters(), saved.model.parameters()))
+    for p_saved, p_loaded in zip(saved.model.parameters(), loaded.model.parameters()):
+        assert torch.equal(saved.optimizer.state[p_saved]["exp_avg"], loaded.optimizer.state[p_loaded]["exp_avg"])
+    assert torch.equal(torch.rand(3), rand_after_save)  # this rank's generator continues where the save left it
+    meta = json.loads((path / "meta.json").read_text())
+    assert (meta["step"], meta["layout"], meta["model"], meta["data_layout"]) == (2, "world=1", {"backend": "toy"}, {"seq_len": 4})

@@ -368,7 +368,7 @@ def export_hf_backend(backend, out_dir: Path, *, tokenizer_json: Path, inputs, r
     return report
 
 
-# -- from the trainer -------------------------------------------------------------------------------
+# -- from a run -------------------------------------------------------------------------------
 
 
 def held_out_inputs(data) -> torch.Tensor:
@@ -388,19 +388,21 @@ def compute_dtype(cfg, backend) -> str:
     return "bfloat16"
 
 
-def export_from_trainer(trainer, out_dir: Path) -> dict | None:
-    """Collective: the reference forward on every rank, then the sharded write and verification."""
-    inputs = held_out_inputs(trainer.data)
-    model = trainer.backend.model
+def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torch.device, tokenizer,
+                   compute_dtype: str) -> dict | None:
+    """A run's model (possibly sharded) -> ``out_dir``, verified against its own logits on ``inputs``.
+
+    Collective: the reference forward on every rank, then the sharded write and verification.
+    ``tokenizer``: the run's (``data.Tokenizer``: its file and end-of-text id go with the export).
+    """
+    model = backend.model
     model.eval()
     with torch.no_grad():
-        logits = trainer.forward(inputs.to(trainer.device.torch_device))
+        logits = backend.forward(inputs.to(device))
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     model.train()
     logits = logits.float().cpu()
-    if hasattr(trainer.backend, "flavor"):
-        return export_native(trainer.backend, out_dir, tokenizer_json=trainer.tokenizer.path,
-                             eos_id=trainer.tokenizer.eos_id, inputs=inputs, reference_logits=logits,
-                             compute_dtype=compute_dtype(trainer.cfg, trainer.backend))
-    return export_hf_backend(trainer.backend, out_dir, tokenizer_json=trainer.tokenizer.path, inputs=inputs,
-                             reference_logits=logits)
+    if hasattr(backend, "flavor"):
+        return export_native(backend, out_dir, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
+                             reference_logits=logits, compute_dtype=compute_dtype)
+    return export_hf_backend(backend, out_dir, tokenizer_json=tokenizer.path, inputs=inputs, reference_logits=logits)
