@@ -11,7 +11,7 @@ import os
 def worker(resolved: dict, run_dir: str) -> dict:
     import _common  # noqa: F401  (pins the device before torchtitan is imported)
     from qwen3_research.config import to_run_config
-    from qwen3_research.launch import _limit_threads
+    from qwen3_research.launch.elastic import _limit_threads
     from qwen3_research.parallel import state_bytes
     from qwen3_research.trainer import RunInfo, Trainer
 

@@ -34,7 +34,7 @@ t_interp = time.time()
 t0 = time.perf_counter()
 sys.path.insert(0, os.environ["BENCH_HERE"])
 import qwen3_research.__main__  # the entry module (Hydra, config schemas)
-from qwen3_research.launch import worker  # launcher + trainer module
+from qwen3_research.launch.elastic import worker  # launcher + trainer module
 import torch
 from qwen3_research import device as devices
 devices.prepare_torchtitan("cpu")
@@ -85,8 +85,8 @@ def main(argv=None):
     print(f"A. python -m qwen3_research {' '.join(OVERRIDES)}")
     for i in range(args.repeats):
         r = run_cli()
-        print(f"  repeat {i}: command wall {r['wall']:.2f} s = before launch.run (interpreter, imports, Hydra compose "
-              f"+ preflight) {r['wall'] - r['run_wall_s']:.2f} s + launch.run {r['run_wall_s']:.2f} s "
+        print(f"  repeat {i}: command wall {r['wall']:.2f} s = before launch.elastic.run (interpreter, imports, Hydra compose "
+              f"+ preflight) {r['wall'] - r['run_wall_s']:.2f} s + launch.elastic.run {r['run_wall_s']:.2f} s "
               f"[Trainer build {r['build_s']:.2f} s, first step {r['first_step_s']:.2f} s, rest (validate, sinks, "
               f"summary) {r['run_wall_s'] - r['build_s'] - r['first_step_s']:.2f} s]")
     print("B. instrumented child (same overrides), phases in seconds")

@@ -247,7 +247,7 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
             rows.append(Row("kernels", f"kernels={chosen}: {options[chosen]}", "MISSING",
                             "choose one of the options that can run here (above)"))
         elif rc.kernels.entries:  # the model's shapes too, as the run's workers check them (on a meta model here)
-            from qwen3_research.launch import check_kernels_without_device
+            from qwen3_research.launch.elastic import check_kernels_without_device
 
             try:
                 check_kernels_without_device(rc)

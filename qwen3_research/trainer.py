@@ -119,9 +119,9 @@ class Trainer:
 
         self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
-        from qwen3_research.checkpoint import Checkpointer
-        from qwen3_research.sinks import build_sinks
-        from qwen3_research.train_state import TrainState
+        from qwen3_research.run.checkpoint import Checkpointer
+        from qwen3_research.run.sinks import build_sinks
+        from qwen3_research.run.train_state import TrainState
 
         self.state = TrainState(self.backend.model, self.optimizer, self.scheduler, rank=self.rank)
         self.state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         device_type = devices.resolve_device_type(rc.device.type)
         if devices.validate_only():  # test hook (device.py): the checks below, on a meta-device model
             from qwen3_research import models
-            from qwen3_research.launch import check_kernels_without_device
+            from qwen3_research.launch.elastic import check_kernels_without_device
 
             models.check_run(rc)
             check_kernels_without_device(rc)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_research.kernels.registry import KERNELS, entry_labels
         from qwen3_research.kernels.verify import verify_plan
 
-        # The checks a run makes: the backend's run checks before any worker starts (launch.run), then in
+        # The checks a run makes: the backend's run checks before any worker starts (launch.elastic.run), then in
         # the worker the overrides' own (resolve: kernel_support's device/LNC/package checks and the
         # model's shapes), so a kernel that cannot run here is the same one-line config error as in a run.
         models.check_run(rc)

@@ -236,7 +236,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
 
 def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
     """Interrupted with the step and checkpoint the worker group saved on the signal (the newest one)."""
-    from qwen3_research.checkpoint import find_checkpoint
+    from qwen3_research.run.checkpoint import find_checkpoint
 
     root = Path(os.path.expanduser(rc.checkpoint.dir))
     found = find_checkpoint("auto", root if root.is_absolute() else Path(info.run_dir) / root)
@@ -290,7 +290,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
     from qwen3_research import models
     from qwen3_research.parallel import validate_degrees
 
-    from qwen3_research.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
+    from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
 
     t0 = time.perf_counter()
     run_path = Path(run_dir)
@@ -319,7 +319,7 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             if rc.checkpoint.overwrite and not rc.checkpoint.resume:
                 discard_earlier_run(rc, run_path)
         if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
-            from qwen3_research.checkpoint import preflight
+            from qwen3_research.run.checkpoint import preflight
 
             preflight(rc, run_path)
         from qwen3_research import device as devices
