@@ -42,12 +42,12 @@ import torchtitan.models.qwen3  # what the Trainer imports while building
 t_imports = time.perf_counter()
 import _common as C
 resolved = C.compose(json.loads(os.environ["BENCH_OVERRIDES"]))
-from qwen3_research.config import to_run_config
-rc = to_run_config(resolved)
+from qwen3_research.resolve import resolve_run
+run = resolve_run(resolved)
 t_config = time.perf_counter()
 from qwen3_research.trainer import RunInfo, Trainer
 import tempfile
-trainer = Trainer(rc, RunInfo(run_dir=tempfile.mkdtemp(prefix="startup_")), resolved)
+trainer = Trainer(run, RunInfo(run_dir=tempfile.mkdtemp(prefix="startup_")))
 t_build = time.perf_counter()
 summary = trainer.train()
 trainer.close()

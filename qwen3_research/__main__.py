@@ -120,33 +120,30 @@ def preflight_overrides(overrides: list[str]) -> None:
 
 
 def preflight(overrides: list[str]) -> None:
-    """Compose and validate once; exit 2 with one line on any configuration error."""
-    from qwen3_research import models
-    from qwen3_research.config import to_run_config, validate
-    from qwen3_research.parallel import validate_degrees
+    """Compose and resolve once (``resolve.resolve_run``: the same checks the launcher and every other entry
+    point make, the kernel targets on a meta-device model included), then the run dir; exit 2 with one line on
+    any configuration error, before Hydra creates anything."""
+    from omegaconf import OmegaConf
 
     try:
         cfg = compose(overrides)
-        rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
-        models.check(rc.model)  # the model backend's own rules (its spec)
-        _quiet_c10d_retries(rc)
-        from qwen3_research.device import prepare_launch
+        _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
+        from qwen3_research import device as devices
+        from qwen3_research.resolve import resolve_run
 
-        prepare_launch(rc)  # LNC conflicts, nproc_per_node=-1 (auto)
-        # Under torchrun, also check the degrees against the world size it started.
-        world = int(os.environ["WORLD_SIZE"]) if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ else None
-        degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))
-        _check_run_dir(rc, degrees, overrides)
+        # under torchrun also against the world size it started; the LNC into the environment workers inherit
+        run = resolve_run(cfg, prepare=devices.prepare_launch)
+        _check_run_dir(run, overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
 
 
-def _quiet_c10d_retries(rc) -> None:
+def _quiet_c10d_retries(nnodes) -> None:
     """A multi-node launcher waits for the other nodes at parallelism.rdzv_endpoint, and torch's TCPStore logs
     every failed try from C++ with a stack of frames (~100-200 lines for an unreachable endpoint) before
     launch reports the failed rendezvous in one line. c10 reads TORCH_CPP_LOG_LEVEL once, when torch loads:
     it is set while this process imports torch, then removed, so the workers start with the user's level."""
-    if rc.parallelism.nnodes > 1 and "torch" not in sys.modules and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+    if isinstance(nnodes, int) and nnodes > 1 and "torch" not in sys.modules and "TORCH_CPP_LOG_LEVEL" not in os.environ:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         try:
             import torch  # noqa: F401
@@ -154,13 +151,13 @@ def _quiet_c10d_retries(rc) -> None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
+def _check_run_dir(run, overrides: list[str]) -> None:
     """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
     from qwen3_research import models
-    from qwen3_research.config import resolve_batch_size
     from qwen3_research.data import Tokenizer, tokenizer_path
     from qwen3_research.run.rundir import AlreadyComplete, check_run_dir
 
+    rc = run.rc
     spec = models.tokenizer_spec(rc)
     if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
         Tokenizer(tokenizer_path(spec))
@@ -172,7 +169,7 @@ def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
         return
     run_dir = Path(os.path.abspath(str(run_dir)))
     try:
-        check_run_dir(rc, run_dir, dp=degrees.dp, batch_size=resolve_batch_size(rc, degrees.dp))
+        check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
     except AlreadyComplete as done:
         print(str(done), flush=True)
         sys.exit(0)

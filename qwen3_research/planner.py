@@ -9,8 +9,6 @@ says what is traced and how. A sweep plans its points here before the first one 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import math
 import os
 import sys
 import tempfile
@@ -156,14 +154,14 @@ def _as_outside_fake_mode():
             setattr(owner, name, value)
 
 
-def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
-    """One training step of the real Trainer as ``rank`` of ``world``, on fake tensors; live tensor bytes."""
+def trace_rank(run, rank: int, world: int) -> RankPlan:
+    """One training step of the real Trainer as ``rank`` of ``world``, on fake tensors; live tensor bytes.
+    ``run``: the traced variant of the resolved run (``resolve.ResolvedRun``; fake CPU tensors, nothing written)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from qwen3_research.config import to_run_config
     from qwen3_research.memory import tracked
     from qwen3_research.trainer import RunInfo, Trainer
 
@@ -178,7 +176,7 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _as_outside_fake_mode(), \
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
-            trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+            trainer = Trainer(run, RunInfo(run_dir=run_dir))
             _optimizer_state_as_after_one_step(trainer)
             _, cats, peak = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
             even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
@@ -270,52 +268,41 @@ def capacity(rc) -> tuple[float, str]:
 
 
 def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
-    """Validate like a run, then trace rank 0 and the largest rank (only rank 0 when every shard is even,
-    unless ``trace_all``)."""
+    """Resolve like a run (``resolve.resolve_run``, planned for the run's device: a Trainium run checked as
+    a run would be, except that TorchNeuron is not required), then trace rank 0 and the largest rank (only
+    rank 0 when every shard is even, unless ``trace_all``)."""
     from qwen3_research import models
-    from qwen3_research.config import resolve_auto_settings, resolve_batch_size, to_run_config, validate
-    from qwen3_research.parallel import validate_degrees
-
-    resolved = resolve_auto_settings(resolved)  # on the run's device: the checks and trace below may run as cpu
-    from qwen3_research import device as devices
-    from qwen3_research.errors import ConfigError
     from qwen3_research.kernels.registry import planning_for
+    from qwen3_research.resolve import resolve_run
 
-    # A Trainium run planned here: checked as a run would be, except that TorchNeuron is not required.
-    planned = resolved["device"]["type"]
-    elsewhere = planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None
-    checked = {**resolved, "device": {**resolved["device"], "type": "cpu"}} if elsewhere else resolved
-    rc = validate(to_run_config(checked))
-    if elsewhere and rc.device.memory_gib is None:
-        raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
-                          "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
-    lnc = devices.resolve_lnc(rc.device.lnc, "neuron") if planned == "neuron" else None
-    facts = models.describe(rc.model)
-    degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **facts)
-    rc.data.batch_size = resolve_batch_size(rc, degrees.dp)
+    run = resolve_run(resolved, plan=True)
+    rc, degrees = run.rc, run.degrees
+    planned = run.config["device"]["type"]
     cap, source = capacity(rc)
-    traced = dict(resolved)
-    traced["device"] = {**resolved["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
-    traced["logging"] = {**resolved["logging"], "wandb": {**resolved["logging"]["wandb"], "mode": "disabled"},
+    config = run.config
+    traced = dict(config)
+    traced["device"] = {**config["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
+    traced["logging"] = {**config["logging"], "wandb": {**config["logging"]["wandb"], "mode": "disabled"},
                          "print_config": False, "progress_bar": False}
-    traced["checkpoint"] = {**resolved["checkpoint"], "enable": False, "resume": None, "export_hf": False}
-    traced["compile"] = {**resolved["compile"], "enable": False}
-    traced["training"] = {**resolved["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
-    traced["model"] = {**resolved["model"], "init_from": None}
+    traced["checkpoint"] = {**config["checkpoint"], "enable": False, "resume": None, "export_hf": False}
+    traced["compile"] = {**config["compile"], "enable": False}
+    traced["training"] = {**config["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
+    traced["model"] = {**config["model"], "init_from": None}
+    traced_run = run.with_config(traced)
     t0 = time.perf_counter()
     world = degrees.world_size
     ranks = []
-    est = estimate(rc, degrees, facts)
+    est = estimate(rc, degrees, run.model)
     mirrored = []
     for rank in sorted({0, world - 1}):
         if rank and ranks[0].even_shards and not trace_all:
             mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
             continue
         if planned == "neuron":  # kernels checked for, and NKI ones traced by shape as, the planned device
-            with planning_for("neuron", lnc):
-                rp = trace_rank(traced, rank, world)
+            with planning_for("neuron", run.lnc):
+                rp = trace_rank(traced_run, rank, world)
         else:
-            rp = trace_rank(traced, rank, world)
+            rp = trace_rank(traced_run, rank, world)
         if rp.kernel_saved:
             est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
         rp.estimate = est
@@ -323,7 +310,7 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
     flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
     return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
-                planned_for="neuron" if elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+                planned_for="neuron" if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
 
 
 def render(plan: Plan) -> str:
