@@ -24,6 +24,7 @@ class MetricSink:
     def start(self, config: dict, summary: dict) -> None: ...
     def log(self, record: dict) -> None: ...
     def commit(self) -> None: ...  # a checkpoint now holds every logged step
+    def artifact(self, kind: str, paths: list[Path]) -> None: ...  # files of the run dir (profiler traces, snapshots)
     def finish(self, summary: dict) -> None: ...
 
 
@@ -313,6 +314,21 @@ class WandbSink(MetricSink):
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
+    def artifact(self, kind: str, paths: list[Path]) -> None:
+        """``paths`` as one W&B artifact of type ``kind``, named ``<kind>-<W&B run id>`` (one per run; a later call
+        of the same kind is its next version). Offline runs keep it for ``wandb sync``."""
+        if self.run is None or not paths:
+            return
+        try:
+            import wandb
+
+            art = wandb.Artifact(f"{kind}-{self.run.id}", type=kind)
+            for p in paths:
+                art.add_file(str(p), name=Path(p).name, policy="immutable")  # no staging copy: written once
+            self.run.log_artifact(art)
+        except Exception as e:  # noqa: BLE001
+            self._fail("artifact", e)
+
     def finish(self, summary: dict) -> None:
         if self.run is None:
             return
@@ -371,6 +387,11 @@ class Sinks(MetricSink):
         for s in self.sinks:
             s.commit()
 
+    def artifact(self, kind: str, paths: list[Path]) -> None:
+        for s in self.sinks:
+            s.artifact(kind, paths)
+
     def finish(self, summary: dict) -> None:
         for s in self.sinks:
             s.finish(summary)
+
