@@ -356,7 +356,11 @@ class Trainer:
                         raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
         except BaseException as e:
             status = "interrupted" if isinstance(e, Interrupted) else "failed"
-            snapshot = self.profiler.on_error(e)
+            try:
+                snapshot = self.profiler.on_error(e)
+            except Exception as pe:  # noqa: BLE001 - writing the snapshot must not hide the step's own error
+                print(f"warning: no memory snapshot ({type(pe).__name__}: {pe})", file=sys.stderr, flush=True)
+                snapshot = []
             if snapshot:  # no barrier: the other ranks may be stuck in a collective; rank 0 logs what is there
                 self._log_profiles(barrier=False)
             self.sinks.finish({"status": status, "step": state.step})
