@@ -395,3 +395,29 @@ class Sinks(MetricSink):
         for s in self.sinks:
             s.finish(summary)
 
+
+def log_sweep_table(wandb_cfg, out_dir: Path, group: str, columns: list[str], rows: list[list], images: list[Path]) -> Path | None:
+    """The sweep's summary table (and its heatmap) as a small W&B run of its own in the sweep's group
+    (``job_type=sweep_report``, named ``<group>/report``), offline by default like every run; its files under
+    ``out_dir/wandb``. Returns the W&B run's directory, None when W&B is off or fails (one warning: a report must
+    not fail a sweep)."""
+    mode = os.environ.get("WANDB_MODE") or wandb_cfg.mode
+    if mode == "disabled" or mode not in ("online", "offline", "dryrun", "run"):
+        return None
+    try:
+        import wandb
+
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT") or wandb_cfg.project,
+                         entity=os.environ.get("WANDB_ENTITY") or wandb_cfg.entity, group=group, job_type="sweep_report",
+                         name=f"{group}/report", dir=str(out_dir), mode=mode, reinit="finish_previous",
+                         tags=redact_secrets(list(wandb_cfg.tags)),
+                         settings=wandb.Settings(quiet=True, init_timeout=wandb_cfg.init_timeout))
+        record = {"sweep/points": wandb.Table(columns=columns, data=rows)}
+        record.update({f"sweep/{Path(p).stem}": wandb.Image(str(p)) for p in images})
+        run.log(record)  # a table logged once is also the run's summary value
+        run_dir = Path(run.dir).parent
+        run.finish()
+        return run_dir
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"W&B sweep table failed ({type(e).__name__}: {e}); the report files are written", stacklevel=2)
+        return None
