@@ -193,13 +193,13 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
     from the point's overrides."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.launch.sweep import parse_overrides, swept_keys_of_this_sweep
+    from qwen3_research.launch.sweep import parse_overrides, swept_keys_of_this_sweep, wandb_group
 
     hc = HydraConfig.get()
     if hc.mode.name != "MULTIRUN":
         return None, None, {}
     sweep_dir = Path(hc.sweep.dir)
-    group = f"sweep_{sweep_dir.parent.name}_{sweep_dir.name}"
+    group = wandb_group(sweep_dir)
     overrides = parse_overrides(list(hc.overrides.task))
     params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
     keys = swept_keys_of_this_sweep(params, sys.argv[1:])

@@ -1,5 +1,9 @@
 """Compare runs: a table (terminal, CSV, Markdown) and PNG plots from run directories.
 
+A sweep of two keys also gets a heatmap of tokens/s, MFU and peak memory per rank (the plan's prediction beside
+the measured peak; skipped, failed and not-run points marked) and ``sweep_points.csv``; the last line names the
+best point by tokens/s that fit.
+
 ``python -m qwen3_research.compare <sweep dir | run dir ...> [--out DIR]``; a multirun sweep
 ends with the same report in its sweep directory (``SweepReport`` callback).
 Numbers come from each run's own ``metrics.jsonl`` and ``summary.json``.
@@ -11,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qwen3_research.report import EXIT_SOME_FAILED, report
+from qwen3_research.report import EXIT_SOME_FAILED, best_point_line, report, sweep_points
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or (args.paths[0] if len(args.paths) == 1 and not (args.paths[0] / ".hydra").is_dir() else Path("comparison"))
     runs = report(args.paths, out)
+    print(best_point_line(runs, sweep_points(runs, args.paths)))
     return EXIT_SOME_FAILED if any(r.status != "ok" for r in runs) else 0
 
 

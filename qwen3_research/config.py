@@ -164,6 +164,18 @@ class TrainingConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    # [a, b]: a torch profiler trace (Chrome/Perfetto JSON) of training steps a..b (1-based, inclusive) on every rank,
+    # <run dir>/profiling/trace_rank<r>.json; on neuron the Neuron runtime's own capture instead (qwen3_research.profiling)
+    steps: List[int] = field(default_factory=list)
+    # a memory snapshot per rank over the profiled steps (all steps when profiling.steps is empty), and one on an
+    # out-of-memory error: cuda torch.cuda.memory._dump_snapshot (.pickle), cpu the profiler's memory timeline (.json)
+    memory_snapshot: bool = False
+    # neuron only: NEURON_RT_INSPECT_DEVICE_PROFILE (model | session) for device-level traces beside the system profile
+    neuron_device_profile: Optional[str] = None
+
+
+@dataclass
 class SweepConfig:
     plan: bool = True  # multirun: plan every point (qwen3_research.plan) before the first one starts
     skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
@@ -182,6 +194,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
@@ -297,7 +310,7 @@ def _non_finite(node: Any, path: str) -> str | None:
 
 # 2**63 - 1: what torch (manual_seed), numpy (SeedSequence) and JSON/W&B (int64) all take.
 SEED_MAX = 2**63 - 1
-FAULT = re.compile(r"^(raise|nan|kill|term)@[1-9][0-9]*(:rank[0-9]+)?$")
+FAULT = re.compile(r"^(raise|nan|kill|term|oom)@[1-9][0-9]*(:rank[0-9]+)?$")
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # W&B refuses these in a project name (wandb.sdk.wandb_settings.validate_project)
 
 
@@ -409,7 +422,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     if not 0 <= t.seed <= SEED_MAX:
         raise ConfigError(f"training.seed must be in [0, {SEED_MAX}] (0 … 2**63 - 1), got {t.seed}")
     if t.fault is not None and not FAULT.match(t.fault):
-        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill, term "
+        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill, term, oom "
                           "(e.g. nan@2); it is a test hook: leave it unset")
     _positive("training.log_every", t.log_every)
     _positive("training.eval_every", t.eval_every, allow_zero=True)
@@ -419,9 +432,29 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
     _choice("training.loss", t.loss, {"full", "chunked"})
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
+    _validate_profiling(cfg.profiling, t.steps, cfg.device.type)
     if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:
         raise ConfigError(
             f"device.memory_gib must be > 0 (GiB per rank, e.g. 24 for a trn2 rank at LNC=2), got "
             f"{cfg.device.memory_gib}; or leave it unset to use the detected capacity"
         )
     return cfg
+
+
+def _validate_profiling(p: ProfilingConfig, total_steps: int, device_type: str) -> None:
+    """profiling.*: the step window inside the run, and each device's own capture asked for on that device only."""
+    if p.steps:
+        if len(p.steps) != 2 or not 1 <= p.steps[0] <= p.steps[1] <= total_steps:
+            raise ConfigError(f"profiling.steps={list(p.steps)} must be [a,b] with 1 <= a <= b <= training.steps={total_steps} "
+                              "(the first and last training step to profile, inclusive), e.g. profiling.steps=[2,3]")
+    on_neuron = runs_on_neuron(device_type)
+    if p.neuron_device_profile is not None:
+        _choice("profiling.neuron_device_profile", p.neuron_device_profile, {"model", "session"})
+        if not on_neuron:
+            raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "
+                              f"(NEURON_RT_INSPECT_DEVICE_PROFILE) and device.type={device_type} is not neuron; leave it unset "
+                              "(profiling.steps gives a torch profiler trace on cpu and cuda)")
+    if p.memory_snapshot and on_neuron:
+        raise ConfigError("profiling.memory_snapshot=true has no Neuron equivalent (the snapshot is PyTorch's CUDA/CPU "
+                          "allocator record); on neuron set profiling.steps=[a,b]: the Neuron runtime profile shows "
+                          "device memory")

@@ -239,6 +239,160 @@ def plot(runs: list[RunRecord], out_dir: Path) -> list[Path]:
     return written
 
 
+# -- the sweep at a glance: two swept keys as a grid (issue 25 point 5) ------------------------------------
+PLAN_FILE = "plan.json"  # written by the sweep before its first point (qwen3_research.launch.sweep.plan_points)
+POINT_COLUMNS = ["point", "key_x", "x", "key_y", "y", "status", "tokens_per_s", "mfu", "peak_mem_gib",
+                 "peak_mem_gib_per_rank", "predicted_peak_gib", "measured_live_peak_gib"]
+
+
+def _plan_entries(paths: list[Path]) -> dict[int, dict]:
+    """The sweep's plan (plan.json of a sweep dir among ``paths``), by point number; {} without one."""
+    for p in paths:
+        f = p / PLAN_FILE
+        if f.is_file():
+            try:
+                entries = json.loads(f.read_text())
+            except ValueError:
+                print(f"warning: {f} is not JSON; the report has no plan column from it", file=sys.stderr, flush=True)
+                return {}
+            return {e["num"]: e for e in entries.values() if isinstance(e, dict) and isinstance(e.get("num"), int)}
+    return {}
+
+
+def _point_num(name: str) -> int | None:
+    head = name.split("_")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _sort_values(values: list[str]) -> list[str]:
+    try:
+        return sorted(values, key=float)
+    except ValueError:
+        return values  # the sweep's own order
+
+
+def sweep_points(runs: list[RunRecord], paths: list[Path]) -> list[dict]:
+    """One row per point of the sweep (``POINT_COLUMNS``): its two swept values, status, steady tokens/s, MFU,
+    measured peak memory (largest rank and per rank), the plan's predicted peak; points the plan listed that have
+    no run directory (a sweep stopped before them) are ``not run``. Empty unless exactly two keys vary."""
+    keys = swept_keys(runs)
+    plan = _plan_entries(paths)
+    if len(keys) != 2:
+        return []
+    kx, ky = keys
+    rows, seen = [], set()
+    for r in runs:
+        num = _point_num(r.name)
+        seen.add(num)
+        peaks = r.peak_mem_per_rank()
+        predicted = (r.summary.get("prediction") or plan.get(num, {})).get("predicted_peak_gib")
+        live = r.summary.get("peak_live_bytes_per_rank")
+        status = "ok" if r.status == "ok" else "skipped" if r.status == "skipped" else (
+            "interrupted" if r.status == "interrupted" else "failed")
+        rows.append({"point": r.name, "key_x": kx, "x": r.overrides.get(kx, ""), "key_y": ky, "y": r.overrides.get(ky, ""),
+                     "status": status, "tokens_per_s": r.tokens_per_s(), "mfu": r.mfu(),
+                     "peak_mem_gib": max(peaks.values()) if peaks else None,
+                     "peak_mem_gib_per_rank": " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) or None,
+                     "predicted_peak_gib": predicted, "measured_live_peak_gib": max(live) / 1024**3 if live else None})
+    for num, entry in sorted(plan.items()):
+        if num in seen:
+            continue
+        over = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in entry.get("overrides", []) if "=" in o}
+        rows.append({"point": f"{num} (planned)", "key_x": kx, "x": over.get(kx, ""), "key_y": ky, "y": over.get(ky, ""),
+                     "status": "not run", "tokens_per_s": None, "mfu": None, "peak_mem_gib": None,
+                     "peak_mem_gib_per_rank": None, "predicted_peak_gib": entry.get("predicted_peak_gib"),
+                     "measured_live_peak_gib": None})
+    return rows
+
+
+def best_point_line(runs: list[RunRecord], points: list[dict] | None = None) -> str:
+    """One line: the point with the most tokens/s among those that ran to the end (status ok: it fit), and how
+    many did not."""
+    ok = [r for r in runs if r.status == "ok" and r.tokens_per_s() is not None]
+    others = {}
+    for r in runs:
+        if r.status != "ok":
+            key = r.status if r.status in ("skipped", "interrupted") else "failed"
+            others[key] = others.get(key, 0) + 1
+    not_run = sum(p["status"] == "not run" for p in points or [])
+    if not_run:
+        others["not run"] = not_run
+    tail = ", ".join(f"{n} {k}" for k, n in sorted(others.items()))
+    if not ok:
+        return f"sweep summary: no point ran to the end ({tail or 'no points'})"
+    best = max(ok, key=lambda r: r.tokens_per_s())
+    keys = swept_keys(runs)
+    label = " ".join(f"{k}={best.overrides.get(k, '')}" for k in keys) or best.name
+    peaks = best.peak_mem_per_rank()
+    predicted = (best.summary.get("prediction") or {}).get("predicted_peak_gib")
+    mfu = best.mfu()
+    return (f"sweep summary: best point by tokens/s that fit: {label}: {best.tokens_per_s():.1f} tokens/s"
+            + (f", MFU {mfu:.4f}" if mfu is not None else "")
+            + (f", peak {max(peaks.values()):.3f} GiB per rank" if peaks else "")
+            + (f" (plan {predicted:.3f} GiB)" if predicted is not None else "")
+            + f"; {len(ok)} of {len(runs) + not_run} points ran to the end" + (f" ({tail})" if tail else ""))
+
+
+def plot_heatmap(points: list[dict], path: Path) -> Path | None:
+    """tokens/s, MFU and peak memory per rank over the two swept keys; skipped, failed and not-run points marked,
+    the planner's predicted peak beside the measured one. None without points."""
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kx, ky = points[0]["key_x"], points[0]["key_y"]
+    xs = _sort_values(list(dict.fromkeys(p["x"] for p in points)))
+    ys = _sort_values(list(dict.fromkeys(p["y"] for p in points)))
+    panels = [("tokens_per_s", "tokens/s (median of steady steps)", "{:.0f}"), ("mfu", "MFU", "{:.4f}"),
+              ("peak_mem_gib", "peak memory, largest rank (GiB)", "{:.3f}")]
+    fig, axes = plt.subplots(1, 3, figsize=(5 * len(panels), 1.2 * len(ys) + 2.6))
+    marks = {"skipped": "skipped\n(plan: no fit)", "failed": "failed", "not run": "not run", "interrupted": "interrupted"}
+    for ax, (key, title, fmt) in zip(axes, panels):
+        grid = np.full((len(ys), len(xs)), np.nan)
+        cell = {}
+        for p in points:
+            i, j = ys.index(p["y"]), xs.index(p["x"])
+            cell[i, j] = p
+            if p["status"] == "ok" and p[key] is not None:
+                grid[i, j] = p[key]
+        ax.set_facecolor("#eeeeee")
+        finite = grid[np.isfinite(grid)]
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto", origin="lower",
+                          vmin=finite.min() if finite.size else 0, vmax=finite.max() if finite.size else 1)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        for (i, j), p in cell.items():
+            if p["status"] == "ok" and p[key] is not None:
+                text = fmt.format(p[key])
+                if key == "peak_mem_gib" and p.get("measured_live_peak_gib") is not None:  # training.track_memory
+                    text += f"\nlive {p['measured_live_peak_gib']:.3f}"
+                if key == "peak_mem_gib" and p["predicted_peak_gib"] is not None:
+                    text += f"\nplan {p['predicted_peak_gib']:.3f}"
+                value = (p[key] - finite.min()) / ((finite.max() - finite.min()) or 1)
+                color = "black" if value > 0.6 else "white"
+            else:
+                text = marks.get(p["status"], p["status"])
+                if key == "peak_mem_gib" and p["predicted_peak_gib"] is not None:
+                    text += f"\nplan {p['predicted_peak_gib']:.3f}"
+                color = "tab:red" if p["status"] == "failed" else "black"
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="#999999", lw=0))
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color)
+        ax.set_xticks(range(len(xs)), xs)
+        ax.set_yticks(range(len(ys)), ys)
+        ax.set_xlabel(kx)
+        ax.set_ylabel(ky)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"sweep: {kx} × {ky} (hatched: not measured; peak: the device's (process RSS on cpu); live: measured "
+                 "peak live tensors (training.track_memory); plan: the planner's predicted peak live tensors)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def report(paths: list[Path], out_dir: Path, *, echo=print) -> list[RunRecord]:
     runs = find_runs(paths)
     if not runs:
@@ -251,6 +405,13 @@ def report(paths: list[Path], out_dir: Path, *, echo=print) -> list[RunRecord]:
         w.writerows([["" if v is None else v for v in row] for row in body])
     (out_dir / "comparison.md").write_text(render_markdown(header, body))
     pngs = plot(runs, out_dir)
+    points = sweep_points(runs, paths)
+    if points:  # exactly two swept keys: the grid, as a table and a heatmap
+        with open(out_dir / "sweep_points.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=POINT_COLUMNS)
+            w.writeheader()
+            w.writerows([{k: ("" if v is None else v) for k, v in p.items()} for p in points])
+        pngs.append(plot_heatmap(points, out_dir / "heatmap.png"))
     echo(render_text(header, body))
     counts: dict[str, int] = {}
     for r in runs:

@@ -126,6 +126,10 @@ class Trainer:
         )
         self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
                                  wandb_name=info.wandb_name, swept=info.swept)
+        from qwen3_research.profiling import Profiler
+
+        self.profiler = Profiler(cfg.profiling, device_type=device_type, rank=self.rank, run_dir=self.run_dir,
+                                 total_steps=cfg.training.steps)
         self.resolved_config = run.config  # W&B's config and summary.json: the values used (data.batch_size resolved)
         self.build_s = time.perf_counter() - t_start
 
@@ -314,6 +318,7 @@ class Trainer:
         try:
             with StopOnSignal(self.world_size, self.device.torch_device) as stop:
                 while state.step < t.steps:
+                    self.profiler.before_step(state.step + 1)
                     self.device.synchronize()
                     t0 = time.perf_counter()
                     lr = self.scheduler.get_last_lr()[0]
@@ -329,6 +334,8 @@ class Trainer:
                     self.device.synchronize()
                     dt = time.perf_counter() - t0
                     state.timer.add(dt)
+                    if self.profiler.after_step(state.step):  # every rank wrote its files: rank 0 logs them all
+                        self._log_profiles(barrier=True)
                     record = None
                     if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
@@ -349,8 +356,25 @@ class Trainer:
                         raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
         except BaseException as e:
             status = "interrupted" if isinstance(e, Interrupted) else "failed"
+            try:
+                snapshot = self.profiler.on_error(e)
+            except Exception as pe:  # noqa: BLE001 - writing the snapshot must not hide the step's own error
+                print(f"warning: no memory snapshot ({type(pe).__name__}: {pe})", file=sys.stderr, flush=True)
+                snapshot = []
+            if snapshot:  # no barrier: the other ranks may be stuck in a collective; rank 0 logs what is there
+                self._log_profiles(barrier=False)
             self.sinks.finish({"status": status, "step": state.step})
+            from qwen3_research.profiling import is_out_of_memory
+
+            if is_out_of_memory(e):  # one line naming the step, the rank and the snapshot, not a traceback
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise TrainingError(
+                    f"out of memory in step {state.step + 1} on rank {self.rank} ({first[:300]}); "
+                    + (f"memory snapshot: {snapshot[0]}" if snapshot else
+                       "profiling.memory_snapshot=true writes a memory snapshot when it happens")) from e
             raise
+        if self.device.type == "neuron" and cfg.profiling.steps:  # what the Neuron runtime has written by now
+            self._log_profiles(barrier=True)
         self.checkpointer.finish()
         if cfg.checkpoint.export_hf:
             self.export_hf()
@@ -364,6 +388,17 @@ class Trainer:
             summary["peak_live_bytes_per_rank"] = peak_live_bytes
         self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
+
+    def _log_profiles(self, *, barrier: bool) -> None:
+        """Every rank's profiling files in the run dir as W&B artifacts, from rank 0 (``barrier``: after every
+        rank has written its own)."""
+        from qwen3_research.profiling import artifact_groups
+
+        if barrier and self.world_size > 1:
+            torch.distributed.barrier()
+        if self.is_main:
+            for kind, paths in artifact_groups(self.run_dir).items():
+                self.sinks.artifact(kind, paths)
 
     def export_hf(self) -> dict | None:
         """The trained model -> ``<run dir>/hf``, verified (collective)."""
@@ -418,8 +453,9 @@ def _signal_launcher_at_eval(spec: str | None, step: int, rank: int, world_size:
 
 
 def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
-    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N' in step N's forward; 'term@N' at its evaluation."""
-    what = _fault_now(spec, ("raise", "nan", "kill"), step, rank)
+    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N', 'oom@N' in step N's forward; 'term@N' at its
+    evaluation."""
+    what = _fault_now(spec, ("raise", "nan", "kill", "oom"), step, rank)
     if what is None:
         return loss
     if what == "raise":
@@ -430,4 +466,6 @@ def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) ->
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    if what == "oom":  # a real allocator failure on any device: an allocation no device can hold (2**60 bytes)
+        torch.empty(2**60, dtype=torch.uint8, device=loss.device)
     return loss

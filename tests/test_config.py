@@ -108,6 +108,7 @@ BAD = [
     (["logging.wandb.mode=sometimes"], "logging.wandb.mode"),
     (["training.mixed_precision=fp8"], "training.mixed_precision"),
     (["optimizer.betas=[0.9,1.5]"], "optimizer.betas"),
+    (["training.steps=3", "profiling.steps=[3,2]"], "profiling.steps=[3, 2] must be [a,b] with 1 <= a <= b <= training.steps=3"),
 ]
 
 

@@ -86,9 +86,32 @@ def test_tp_seq_sweep_end_to_end(tmp_path):
         assert json.loads((run / "summary.json").read_text())["status"] == "ok"
         first = read_metrics(run)[0]
         assert first["tokens"] == 512
-    for png in ("loss.png", "throughput_memory.png"):
+    for png in ("loss.png", "throughput_memory.png", "heatmap.png"):
         _assert_png_has_content(sweep_dir / png)
+    w, h = _png_size(sweep_dir / "heatmap.png")
+    assert w > 2 * h, (w, h)  # three panels side by side: tokens/s, MFU, peak memory
     assert "| run |" in (sweep_dir / "comparison.md").read_text()
+    # The sweep group's summary table: a W&B run of its own (job_type sweep_report) in the points' group, whose
+    # rows are the report's numbers, beside the plan's predictions.
+    report_run = next(r for r in wandb_records(sweep_dir) if r["type"] == "run")["run"]
+    assert report_run["run_group"] in groups and report_run["job_type"] == "sweep_report"
+    item = next(r["history"]["item"] for r in wandb_records(sweep_dir) if r["type"] == "history")
+    assert item["sweep/points._type"] == "table-file" and item["sweep/points.nrows"] == 4, item
+    table = json.loads(next(sweep_dir.glob(f"wandb/offline-run-*/files/{item['sweep/points.path']}")).read_text())
+    got = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [({g["key_x"]: g["x"], g["key_y"]: g["y"]}, g["status"]) for g in got] == [
+        ({"parallelism.tp": r["parallelism.tp"], "data.seq_len": r["data.seq_len"]}, "ok") for r in rows]
+    for g, r in zip(got, rows):
+        assert g["tokens_per_s"] == pytest.approx(float(r["tokens_per_s"]), rel=1e-9)
+        assert g["predicted_peak_gib"] == pytest.approx(float(r["predicted_peak_gib"]), rel=1e-9)
+    assert item["sweep/heatmap._type"] == "image-file" and item["sweep/heatmap.width"] > 2 * item["sweep/heatmap.height"]
+    # The sweep's last stdout line: the best point by tokens/s among those that fit.
+    best = max(rows, key=lambda r: float(r["tokens_per_s"]))
+    last = proc.stdout.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith(f"sweep summary: best point by tokens/s that fit: parallelism.tp={best['parallelism.tp']} "
+                           f"data.seq_len={best['data.seq_len']}: {float(best['tokens_per_s']):.1f} tokens/s"), last
+    assert last.endswith("; 4 of 4 points ran to the end"), last
     # Printed, not asserted: wall-clock ratios fail on a loaded machine (and the sweep's plan, which traces every
     # point before the first starts, is part of the wall).
     points = sum(json.loads((r / "summary.json").read_text())["wall_s"] for r in runs)
@@ -208,3 +231,87 @@ def test_a_signal_stops_the_sweep_and_the_same_command_resumes_it(signame, layou
     assert len(ids) == 1 and wb_steps == list(range(1, SIGNAL_STEPS + 1))
     if not layout:  # one rank: the resumed point's losses are the uninterrupted run's (2 ranks: test_combinations)
         assert [r["loss"] for r in read_metrics(point)] == seed1_losses
+
+
+# -- the sweep at a glance (issue 25 point 5): synthetic sweep dirs, in process -------------------------------
+
+def _fake_point(sweep: Path, num: int, tp: int, seq: int, status: str, tps: float | None = None, peak: float = 0.0,
+                predicted: float | None = None) -> None:
+    """A point directory as a sweep leaves it: Hydra's overrides, summary.json, metrics.jsonl (ok points)."""
+    d = sweep / f"{num}_parallelism.tp={tp},data.seq_len={seq}"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(f"- parallelism.tp={tp}\n- data.seq_len={seq}\n")
+    summary = {"status": status, **({"prediction": {"predicted_peak_gib": predicted}} if predicted is not None else {})}
+    if status == "ok":
+        summary["steps"] = 3
+        rows = [{"step": s, "loss": 5.0 - s, "tokens_per_s": tps * (0.5 if s == 1 else 1.0), "mfu": tps / 1e6,
+                 "first_step": s == 1, "mem_per_rank": [{"rank": r, "peak_gib": peak - 0.01 * r} for r in (0, 1)]}
+                for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        summary["reason"] = "predicted 9.00 GiB > 1.00 GiB per rank" if status == "skipped" else "rank 1 failed: out of memory"
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def _fake_sweep(tmp_path: Path) -> Path:
+    """tp {1,2} × seq_len {64,128,256}: three ok points, one skipped by the plan, one failed, one planned but never
+    started (the sweep was stopped before it)."""
+    sweep = tmp_path / "sweep"
+    _fake_point(sweep, 0, 1, 64, "ok", tps=900.0, peak=1.10, predicted=0.40)
+    _fake_point(sweep, 1, 1, 128, "ok", tps=1500.0, peak=1.30, predicted=0.60)
+    _fake_point(sweep, 2, 1, 256, "skipped", predicted=9.0)
+    _fake_point(sweep, 3, 2, 64, "ok", tps=700.0, peak=1.00, predicted=0.30)
+    _fake_point(sweep, 4, 2, 128, "failed", predicted=0.5)
+    plan = {json.dumps([f"parallelism.tp={tp}", f"data.seq_len={seq}"]): {
+        "num": n, "overrides": [f"parallelism.tp={tp}", f"data.seq_len={seq}"], "predicted_peak_gib": 0.1 * (n + 1)}
+        for n, (tp, seq) in enumerate([(1, 64), (1, 128), (1, 256), (2, 64), (2, 128), (2, 256)])}
+    (sweep / "plan.json").write_text(json.dumps(plan))
+    return sweep
+
+
+def test_sweep_points_heatmap_and_best_point_of_a_synthetic_sweep(tmp_path):
+    from qwen3_research.report import best_point_line, find_runs, report, sweep_points
+
+    sweep = _fake_sweep(tmp_path)
+    runs = report([sweep], sweep, echo=lambda *_: None)
+    points = {(p["x"], p["y"]): p for p in sweep_points(runs, [sweep])}
+    assert {k: p["status"] for k, p in points.items()} == {
+        ("1", "64"): "ok", ("1", "128"): "ok", ("1", "256"): "skipped", ("2", "64"): "ok", ("2", "128"): "failed",
+        ("2", "256"): "not run"}
+    ok = points["1", "128"]
+    # the steady steps' median (step 1 left out), the largest rank's peak, each rank's, the point's own prediction
+    assert (ok["tokens_per_s"], ok["mfu"], ok["peak_mem_gib"]) == (1500.0, 1500.0 / 1e6, 1.30)
+    assert ok["peak_mem_gib_per_rank"] == "1.300 1.290" and ok["predicted_peak_gib"] == 0.60
+    assert points["2", "256"]["predicted_peak_gib"] == pytest.approx(0.6)  # not run: the plan's figure
+    assert points["1", "256"]["tokens_per_s"] is None and points["1", "256"]["predicted_peak_gib"] == 9.0
+    with open(sweep / "sweep_points.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 6
+    _assert_png_has_content(sweep / "heatmap.png")
+    line = best_point_line(find_runs([sweep]), list(points.values()))
+    print(line)
+    assert line == ("sweep summary: best point by tokens/s that fit: parallelism.tp=1 data.seq_len=128: 1500.0 tokens/s, "
+                    "MFU 0.0015, peak 1.300 GiB per rank (plan 0.600 GiB); 3 of 6 points ran to the end "
+                    "(1 failed, 1 not run, 1 skipped)")
+
+
+def test_the_heatmap_shows_each_point_where_it_belongs(tmp_path):
+    """Pixels, not just a file: the best point's cell is the brightest of the tokens/s panel (viridis: yellow), the
+    hatched cells hold no colour."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from qwen3_research.report import plot_heatmap
+
+    points = [{"key_x": "tp", "x": str(x), "key_y": "seq", "y": str(y), "status": "ok", "tokens_per_s": float(v),
+               "mfu": v / 1e6, "peak_mem_gib": 1.0, "predicted_peak_gib": 0.5}
+              for x, y, v in [(1, 64, 100), (1, 128, 1000), (2, 64, 500)]]
+    points.append({"key_x": "tp", "x": "2", "key_y": "seq", "y": "128", "status": "skipped", "tokens_per_s": None,
+                   "mfu": None, "peak_mem_gib": None, "predicted_peak_gib": 9.0})
+    img = mpimg.imread(plot_heatmap(points, tmp_path / "h.png"))[..., :3]
+    h, w, _ = img.shape
+    panel = img[:, : w // 3]  # tokens/s: yellow where the largest value is (red and green high, blue low)
+    yellow = (panel[..., 0] > 0.8) & (panel[..., 1] > 0.8) & (panel[..., 2] < 0.35)
+    rows, cols = np.nonzero(yellow)
+    assert yellow.sum() > 500, "no bright cell"
+    # tp=1 (left column), seq_len=128 (upper row, origin lower): the upper-left quadrant of the panel's axes
+    assert np.median(cols) < np.median(np.nonzero(panel.std(axis=2) > 0.2)[1]) and np.median(rows) < h / 2

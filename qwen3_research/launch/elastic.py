@@ -293,6 +293,10 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})
+        if resolved.device_type == "neuron":  # the runtime reads its profiler variables when it starts: before any worker
+            from qwen3_research.profiling import neuron_environment
+
+            os.environ.update(neuron_environment(rc.profiling, run_path))
         if under_torchrun() or resolved.world_size == 1:
             summary = worker(resolved, asdict(info))
         else:

@@ -60,12 +60,14 @@ class SweepReport(Callback):
             sys.exit(2)
         wall = time.perf_counter() - getattr(self, "t0", time.perf_counter())
         runs = report([sweep_dir], sweep_dir)
+        summary_line = sweep_summary(runs, sweep_dir, config)
         point_s = [r.summary.get("wall_s") for r in runs]
         (sweep_dir / "sweep.json").write_text(json.dumps({
             "wall_s": wall, "points": len(runs), "failed": sum(r.status not in ("ok", "skipped") for r in runs),
             "skipped": sum(r.status == "skipped" for r in runs),
             "points_wall_s": point_s,
         }, indent=1))
+        print(summary_line, flush=True)  # the sweep's last stdout line
         if any(r.status not in ("ok", "skipped") for r in runs):
             print(f"sweep finished with failed points (exit status {EXIT_SOME_FAILED})", file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_FAILED)
@@ -73,6 +75,28 @@ class SweepReport(Callback):
             print(f"sweep finished; points predicted not to fit were skipped (exit status {EXIT_SOME_SKIPPED})",
                   file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_SKIPPED)
+
+
+def wandb_group(sweep_dir: Path) -> str:
+    """The W&B group of a sweep's points and of its report: the sweep dir (fixed once per sweep)."""
+    return f"sweep_{sweep_dir.parent.name}_{sweep_dir.name}"
+
+
+def sweep_summary(runs, sweep_dir: Path, config: DictConfig) -> str:
+    """The grid of the two swept keys to W&B as the sweep group's summary table (with the heatmap), and the
+    one-line summary: the best point by tokens/s that fit."""
+    from qwen3_research.report import POINT_COLUMNS, best_point_line, sweep_points
+    from qwen3_research.run.sinks import log_sweep_table
+
+    points = sweep_points(runs, [sweep_dir])
+    if points and config.get("logging") is not None:
+        from qwen3_research.config import WandbConfig
+
+        wandb_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WandbConfig), config.logging.wandb))
+        heatmap = sweep_dir / "heatmap.png"
+        log_sweep_table(wandb_cfg, sweep_dir, wandb_group(sweep_dir), POINT_COLUMNS,
+                        [[p[c] for c in POINT_COLUMNS] for p in points], [heatmap] if heatmap.is_file() else [])
+    return best_point_line(runs, points)
 
 
 def stop_sweep(sweep_dir: Path, point_dir: str, e: BaseException) -> int:

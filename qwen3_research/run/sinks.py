@@ -24,6 +24,7 @@ class MetricSink:
     def start(self, config: dict, summary: dict) -> None: ...
     def log(self, record: dict) -> None: ...
     def commit(self) -> None: ...  # a checkpoint now holds every logged step
+    def artifact(self, kind: str, paths: list[Path]) -> None: ...  # files of the run dir (profiler traces, snapshots)
     def finish(self, summary: dict) -> None: ...
 
 
@@ -313,6 +314,21 @@ class WandbSink(MetricSink):
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
+    def artifact(self, kind: str, paths: list[Path]) -> None:
+        """``paths`` as one W&B artifact of type ``kind``, named ``<kind>-<W&B run id>`` (one per run; a later call
+        of the same kind is its next version). Offline runs keep it for ``wandb sync``."""
+        if self.run is None or not paths:
+            return
+        try:
+            import wandb
+
+            art = wandb.Artifact(f"{kind}-{self.run.id}", type=kind)
+            for p in paths:
+                art.add_file(str(p), name=Path(p).name, policy="immutable")  # no staging copy: written once
+            self.run.log_artifact(art)
+        except Exception as e:  # noqa: BLE001
+            self._fail("artifact", e)
+
     def finish(self, summary: dict) -> None:
         if self.run is None:
             return
@@ -371,6 +387,37 @@ class Sinks(MetricSink):
         for s in self.sinks:
             s.commit()
 
+    def artifact(self, kind: str, paths: list[Path]) -> None:
+        for s in self.sinks:
+            s.artifact(kind, paths)
+
     def finish(self, summary: dict) -> None:
         for s in self.sinks:
             s.finish(summary)
+
+
+def log_sweep_table(wandb_cfg, out_dir: Path, group: str, columns: list[str], rows: list[list], images: list[Path]) -> Path | None:
+    """The sweep's summary table (and its heatmap) as a small W&B run of its own in the sweep's group
+    (``job_type=sweep_report``, named ``<group>/report``), offline by default like every run; its files under
+    ``out_dir/wandb``. Returns the W&B run's directory, None when W&B is off or fails (one warning: a report must
+    not fail a sweep)."""
+    mode = os.environ.get("WANDB_MODE") or wandb_cfg.mode
+    if mode == "disabled" or mode not in ("online", "offline", "dryrun", "run"):
+        return None
+    try:
+        import wandb
+
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT") or wandb_cfg.project,
+                         entity=os.environ.get("WANDB_ENTITY") or wandb_cfg.entity, group=group, job_type="sweep_report",
+                         name=f"{group}/report", dir=str(out_dir), mode=mode, reinit="finish_previous",
+                         tags=redact_secrets(list(wandb_cfg.tags)),
+                         settings=wandb.Settings(quiet=True, init_timeout=wandb_cfg.init_timeout))
+        record = {"sweep/points": wandb.Table(columns=columns, data=rows)}
+        record.update({f"sweep/{Path(p).stem}": wandb.Image(str(p)) for p in images})
+        run.log(record)  # a table logged once is also the run's summary value
+        run_dir = Path(run.dir).parent
+        run.finish()
+        return run_dir
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"W&B sweep table failed ({type(e).__name__}: {e}); the report files are written", stacklevel=2)
+        return None
