@@ -224,7 +224,7 @@ def _task(cfg: DictConfig):
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
         from qwen3_research.launch.sweep import prepare_point
 
-        done, prediction = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
         if done is not None:
             return done
     try:

@@ -16,6 +16,7 @@ end of a run, ``checkpoint.export_hf=true`` does the same from the trainer's (sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -58,7 +59,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
         raise
     step = meta.get("step")
     rc = to_run_config(meta["config"])
-    _use_init_from(rc, path, init_from)
+    rc = _use_init_from(rc, path, init_from)
     print(f"export: step {step} of {path} -> {out}", flush=True)
     devices.prepare_torchtitan("cpu")
     from qwen3_research import models
@@ -102,9 +103,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     return {**report, "step": step, "checkpoint": str(path)}
 
 
-def _use_init_from(rc, path: Path, init_from: str | None) -> None:
-    """The base model directory the architecture (config.json) and tokenizer come from: ``--init-from`` when
-    given, else the one recorded at training time, which must still exist."""
+def _use_init_from(rc, path: Path, init_from: str | None):
+    """The checkpoint's config with the base model directory the architecture (config.json) and tokenizer come
+    from: ``--init-from`` when given (a new config; the one read is not written), else the one recorded at
+    training time, which must still exist."""
     from qwen3_research import models
 
     recorded = rc.model.init_from
@@ -115,10 +117,12 @@ def _use_init_from(rc, path: Path, init_from: str | None) -> None:
                               f"{rc.model.backend}); export it without --init-from")
         if not Path(os.path.expanduser(init_from)).is_dir():
             raise ConfigError(f"--init-from {init_from}: no such directory")
-        rc.model.init_from = str(Path(os.path.expanduser(init_from)).resolve())
-    elif recorded and takes_init_from and not Path(os.path.expanduser(recorded)).is_dir():
+        return dataclasses.replace(rc, model=dataclasses.replace(
+            rc.model, init_from=str(Path(os.path.expanduser(init_from)).resolve())))
+    if recorded and takes_init_from and not Path(os.path.expanduser(recorded)).is_dir():
         raise ConfigError(f"checkpoint {path} was trained from model.init_from={recorded!r}, which is no longer a "
                           "directory (moved or deleted); pass --init-from DIR with that base model's new location")
+    return rc
 
 
 def _still_there(path: Path) -> None:

@@ -59,11 +59,25 @@ def test_two_entries_claiming_one_module_is_an_error_naming_both(moe_model):
     ), str(e.value)
 
 
-def test_entry_matching_nothing_warns_with_entry_and_pattern(moe_model):
+def test_a_target_missing_the_kernels_modules_is_one_config_error(moe_model):
+    """A typo in a target: the model has the kernel's modules (CosSinRoPE) and the pattern reaches none of them.
+    One ConfigError naming the entry, its pattern and where the modules are (resolve_run makes it on a meta-device
+    model before any worker starts: tests/test_resolve.py)."""
     cfg = _cfg([("moe_fast", EXPERTS), ("rope_fast", "layers.*.mlp.rope")])
-    with pytest.warns(KernelMatchWarning, match=r"kernel entry 'rope_fast' \(target 'layers\.\*\.mlp\.rope'\) matches no module"):
-        plan = resolve(moe_model, cfg, CPU)
-    assert plan["rope_fast"] == [] and len(plan["moe_fast"]) == 4
+    with pytest.raises(ConfigError) as e:
+        resolve(moe_model, cfg, CPU)
+    assert str(e.value) == ("kernel entry 'rope_fast' (target 'layers.*.mlp.rope') matches none of the model's 4 "
+                            "CosSinRoPE modules (e.g. 'layers.0.attention.rope'); fix the target: an fnmatch pattern "
+                            "over module names, or type:<class>")
+
+
+def test_an_entry_for_modules_the_model_lacks_warns_with_entry_and_pattern(moe_model):
+    """moe_fast where there are no experts (kernels=fast on a dense model): nothing to replace, a warning."""
+    attention = moe_model.get_submodule("layers.0.attention")  # a real part of the model: RoPE, no experts
+    with pytest.warns(KernelMatchWarning, match=r"kernel entry 'moe_fast' \(target 'layers\.\*\.moe\.routed_experts\."
+                                                r"inner_experts'\) matches no module"):
+        plan = resolve(attention, _cfg([("moe_fast", EXPERTS)]), CPU)
+    assert plan == {"moe_fast": []}
 
 
 def test_pattern_only_claims_the_kernels_module_type(moe_model):

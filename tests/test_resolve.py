@@ -1,9 +1,10 @@
 """One start-up resolution (issue 23 point 3): ``resolve.resolve_run`` is what the CLI, the launcher, the planner,
 the doctor and ``verify_kernels`` ask before they start anything, and the Trainer builds from its result.
 
-- a bad kernel target (two entries claiming one module: found only on the model) in a 2-rank run is one line,
-  exit 2, before any worker starts and before Hydra creates the run dir (it used to start both ranks, which
-  failed after building their models: exit 1, a traceback per rank, a summary.json);
+- a bad kernel target (two entries claiming one module, or a target that misses the kernel's modules: found only on
+  the model) in a 2-rank run is one line, exit 2, before any worker starts and before Hydra creates the run dir (it
+  used to start both ranks, which failed after building their models: exit 1, a traceback per rank, a summary.json;
+  a typo only warned, in every rank);
 - every entry point refuses it with the same line;
 - the description is resolved (batch size from ``data.global_batch_tokens``, mixed precision, nproc) and frozen,
   and building a Trainer from it writes into neither it nor the composed config.
@@ -36,6 +37,25 @@ def test_a_bad_kernel_target_fails_before_any_worker_starts(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"config error: {CLAIM}"]
     assert "rank" not in out and "kernel plan" not in out and "Traceback" not in out
     assert not run_dir.exists()
+
+
+def test_a_target_that_misses_the_models_modules_is_refused_by_the_resolution():
+    """A typo in a kernel target (the model has 4 CosSinRoPE modules, the pattern reaches none) in a 2-rank run:
+    ``resolve_run`` refuses it on the meta-device model, which is before the launcher starts any worker (the CLI's
+    preflight turns any ConfigError of the resolution into one line before Hydra starts: the test above). In
+    process: no run, the resolution alone."""
+    from qwen3_research.compose import compose
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.resolve import resolve_run
+
+    cfg = compose(["model=native_moe", "parallelism=fsdp", "device=cpu", "kernels=rope_fast",
+                   "kernels.entries=[{name:rope_fast,target:'layers.*.atention.rope'}]", *FAST])
+    with pytest.raises(ConfigError) as e:
+        resolve_run(cfg)
+    print(f"\nconfig error: {e.value}")
+    assert str(e.value) == ("kernel entry 'rope_fast' (target 'layers.*.atention.rope') matches none of the model's 4 "
+                            "CosSinRoPE modules (e.g. 'layers.0.attention.rope'); fix the target: an fnmatch pattern "
+                            "over module names, or type:<class>")
 
 
 @pytest.mark.parametrize("module,code", [("qwen3_research.plan", 2), ("qwen3_research.verify_kernels", 2),

@@ -123,6 +123,11 @@ def _matches(pattern: str, fqn: str, module: nn.Module) -> bool:
     return fnmatch.fnmatchcase(fqn, pattern)
 
 
+def _replaceable(spec: KernelSpec, module: nn.Module) -> bool:
+    """``module`` is of a class the kernel replaces (or a subclass of one)."""
+    return any(c.__name__ in spec.module_types for c in type(module).__mro__)
+
+
 def _where(option: str | None, entry_name: str) -> str:
     return f"kernels={option}" if option else f"kernels entry '{entry_name}'"
 
@@ -234,9 +239,7 @@ def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
         for fqn, m in modules:
             if not _matches(entry.target, fqn, m):
                 continue
-            if type(m).__name__ not in spec.module_types and not any(
-                c.__name__ in spec.module_types for c in type(m).__mro__
-            ):
+            if not _replaceable(spec, m):
                 continue  # the pattern may be broad; the kernel only replaces its own module type
             if fqn in owner:
                 raise ConfigError(
@@ -246,6 +249,14 @@ def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
             owner[fqn] = label
             matched.append(fqn)
         if not matched:
+            ours = [fqn for fqn, m in modules if _replaceable(spec, m)]
+            if ours:  # the model has the kernel's modules and the target reaches none of them: a wrong target
+                raise ConfigError(
+                    f"kernel entry '{label}' (target '{entry.target}') "
+                    f"matches none of the model's {len(ours)} {'/'.join(spec.module_types)} modules (e.g. "
+                    f"'{ours[0]}'); fix the target: an fnmatch pattern over module names, or type:<class>"
+                )
+            # A model without the kernel's module type (moe_fast on a dense model): nothing to replace
             msg = (
                 f"kernel entry '{label}' (target '{entry.target}') matches no module of the built model "
                 f"(it replaces {'/'.join(spec.module_types)}); it has no effect"

@@ -220,8 +220,11 @@ def _interrupted_checkpoint(cfg: DictConfig, run_path: Path, summary: dict) -> P
         return None
 
 
-def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str) -> tuple[dict | None, dict]:
-    """Before a sweep point starts: (its summary when it must not run, its prediction).
+def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
+                  ) -> tuple[dict | None, dict, DictConfig]:
+    """Before a sweep point starts: (its summary when it must not run, its prediction, the config to run it
+    with: ``cfg`` itself, or a copy with ``checkpoint.resume=auto`` for an interrupted attempt; the composed
+    config is never written).
 
     Skips a point whose summary.json already says ok (``sweep.resume``), and a point planned
     not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside.
@@ -235,15 +238,14 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str)
             old = {}
         if old.get("status") == "ok":
             print(f"sweep point {run_path.name}: already ok (summary.json), not run again", flush=True)
-            return old, old.get("prediction") or {}
+            return old, old.get("prediction") or {}, cfg
         resume_from = _interrupted_checkpoint(cfg, run_path, old)
         if resume_from is not None:  # stopped by a signal after saving: continue it, as a run resumes
-            from omegaconf import open_dict
+            from omegaconf import OmegaConf
 
-            with open_dict(cfg):
-                cfg.checkpoint.resume = "auto"
+            resumed = OmegaConf.merge(cfg, {"checkpoint": {"resume": "auto"}})  # a new config, as an override would
             print(f"sweep point {run_path.name}: resuming the interrupted attempt from {resume_from}", flush=True)
-            return None, old.get("prediction") or {}
+            return None, old.get("prediction") or {}, resumed
     entry = {}
     plan_path = Path(sweep_dir) / PLAN_FILE
     if plan_path.is_file():
@@ -262,5 +264,5 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str)
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(summary_path)
         print(f"sweep point {run_path.name}: skipped: {reason}", flush=True)
-        return summary, prediction
-    return None, prediction
+        return summary, prediction, cfg
+    return None, prediction, cfg
