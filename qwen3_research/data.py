@@ -19,6 +19,7 @@ import torch
 
 from qwen3_research.config import ConfigError, DataConfig, data_files
 
+IGNORE_INDEX = -100  # labels F.cross_entropy and qwen3_research.loss skip
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 EOS_TOKEN = "<|endoftext|>"
 
@@ -214,6 +215,18 @@ def _pack(docs: list[np.ndarray], eos_id: int, window: int) -> np.ndarray:
 class Batch:
     inputs: torch.Tensor  # (B, L)
     labels: torch.Tensor  # (B, L)
+    positions: torch.Tensor | None = None  # (B, L) per-document positions (data.document_masking), else None
+
+
+def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Positions that restart at 0 after every end-of-text token (B, L) int64: a packed window's documents
+    each start at 0 (a window that starts inside a document starts its fragment at 0, as torchtitan's
+    ``_normalize_positions``). The end-of-text token belongs to the document it ends."""
+    B, L = inputs.shape
+    start = torch.ones_like(inputs, dtype=torch.bool)
+    start[:, 1:] = inputs[:, :-1] == eos_id
+    idx = torch.arange(L, device=inputs.device).expand(B, L)
+    return idx - torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
 
 
 class PackedDataset:
@@ -221,6 +234,7 @@ class PackedDataset:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
         self.cfg = cfg
+        self.eos_id = tokenizer.eos_id
         docs = load_documents(cfg)
         names = [n for n, _ in docs]
         arrays = _token_cache(tokenizer, docs)
@@ -289,10 +303,15 @@ class PackedDataset:
                 out.append(self._to_batch(np.stack(rows)))
         return out
 
-    @staticmethod
-    def _to_batch(rows: np.ndarray) -> Batch:
-        t = torch.from_numpy(np.ascontiguousarray(rows))
-        return Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
+    def _to_batch(self, rows: np.ndarray) -> Batch:
+        t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        batch = Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
+        if self.cfg.document_masking:
+            batch.positions = document_positions(batch.inputs, self.eos_id)
+            # an end-of-text token sees only its own document: it does not predict the next one's first token
+            # (torchtitan's text datasets drop that pair; transformers' DataCollatorWithFlattening masks it)
+            batch.labels[batch.inputs == self.eos_id] = IGNORE_INDEX
+        return batch
 
 
 # -- data layout -------------------------------------------------------------------------------
