@@ -25,6 +25,18 @@ from qwen3_research.errors import ConfigError  # noqa: F401  (re-exported: confi
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts routing (qwen3_research.routing): load balancing and routing statistics."""
+
+    # auto: model.init_from / model.path a Qwen3-MoE checkpoint -> aux_loss with its router_aux_loss_coef; else bias
+    # (native_moe, torchtitan's default) or none (a backend without an expert bias). none | aux_loss | bias.
+    balance: str = "auto"
+    aux_loss_coef: Optional[float] = None  # balance=aux_loss: None = the checkpoint's router_aux_loss_coef, else 0.001
+    bias_coef: float = 1e-3  # balance=bias: torchtitan's load_balance_coeff (expert-bias step per optimizer step)
+    routing_stats: bool = True  # tokens per expert, load ratio, entropy, ... in every logged step
+
+
+@dataclass
 class ModelConfig:
     backend: str = "native"  # native | native_moe | hf | another backend's name (qwen3_research.models.registry)
     # The module defining an out-of-tree backend's BACKEND spec; None: qwen3_research.models.<backend>.
@@ -34,6 +46,7 @@ class ModelConfig:
     init_from: Optional[str] = None  # native backends: HF directory with safetensors
     trust_remote_code: bool = False
     attention: str = "sdpa"  # sdpa (CPU-safe, causal) | flex (CUDA)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -98,6 +111,9 @@ class DataConfig:
     max_documents: Optional[int] = None  # cap for quick experiments
     files: Optional[str] = None  # source=files: glob of .txt / .jsonl files
     text_field: str = "text"  # source=files, .jsonl: the field holding the text
+    # Attention and RoPE positions restart at every document boundary inside a packed window; the end-of-text
+    # token does not predict the next document's first token (its label is ignored).
+    document_masking: bool = False
     hf: HFDatasetConfig = field(default_factory=HFDatasetConfig)
 
 
@@ -359,6 +375,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     # The model backend's own rules (its name, flavor, model.path / model.init_from) are its spec's:
     # qwen3_research.models.check, which every entry point runs right after this.
     _choice("model.attention", cfg.model.attention, {"sdpa", "flex"})
+    moe = cfg.model.moe
+    _choice("model.moe.balance", moe.balance, {"auto", "none", "aux_loss", "bias"})
+    if moe.aux_loss_coef is not None:
+        _positive("model.moe.aux_loss_coef", moe.aux_loss_coef, allow_zero=True)
+    _positive("model.moe.bias_coef", moe.bias_coef)
 
     p = cfg.parallelism
     if p.nproc_per_node == 0 or p.nproc_per_node < -1:

@@ -19,6 +19,7 @@ import torch
 
 from qwen3_research.config import ConfigError, DataConfig, data_files
 
+IGNORE_INDEX = -100  # labels F.cross_entropy and qwen3_research.loss skip
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 EOS_TOKEN = "<|endoftext|>"
 
@@ -141,31 +142,29 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
     return docs
 
 
-def hf_documents(cfg) -> list[tuple[str, str]]:
+def hf_documents(cfg):
+    """(name, text) of a datasets source, one row at a time (``data.hf.streaming``: datasets' IterableDataset,
+    nothing downloaded up front), never listed: ``token_stream`` tokenizes them a chunk at a time."""
     import datasets
 
     try:
         ds = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split, streaming=cfg.streaming)
     except Exception as e:  # datasets raises many types; the message is what matters
         raise ConfigError(f"data.hf.name={cfg.name!r}: cannot load ({type(e).__name__}: {e})") from None
-    docs = []
     for i, row in enumerate(ds):
         if cfg.max_documents is not None and i >= cfg.max_documents:
             break
         if cfg.text_field not in row:
             raise ConfigError(f"data.hf.text_field={cfg.text_field!r} not in dataset columns {sorted(row)}")
-        docs.append((f"{cfg.name}:{i}", _text(row[cfg.text_field], f"data.hf.text_field={cfg.text_field!r}",
-                                              f"{cfg.name} row {i}")))
-    return docs
+        yield f"{cfg.name}:{i}", _text(row[cfg.text_field], f"data.hf.text_field={cfg.text_field!r}", f"{cfg.name} row {i}")
 
 
 def load_documents(cfg: DataConfig) -> list[tuple[str, str]]:
+    """The listed sources (embedded, files); data=hf is streamed (``token_stream``)."""
     if cfg.source == "embedded":
         docs = embedded_documents()
-    elif cfg.source == "files":
-        docs = file_documents(cfg.files, cfg.text_field)
     else:
-        docs = hf_documents(cfg.hf)
+        docs = file_documents(cfg.files, cfg.text_field)
     docs = [(n, t) for n, t in docs if t.strip()]
     if cfg.max_documents is not None:
         docs = docs[: cfg.max_documents]
@@ -214,6 +213,18 @@ def _pack(docs: list[np.ndarray], eos_id: int, window: int) -> np.ndarray:
 class Batch:
     inputs: torch.Tensor  # (B, L)
     labels: torch.Tensor  # (B, L)
+    positions: torch.Tensor | None = None  # (B, L) per-document positions (data.document_masking), else None
+
+
+def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Positions that restart at 0 after every end-of-text token (B, L) int64: a packed window's documents
+    each start at 0 (a window that starts inside a document starts its fragment at 0, as torchtitan's
+    ``_normalize_positions``). The end-of-text token belongs to the document it ends."""
+    B, L = inputs.shape
+    start = torch.ones_like(inputs, dtype=torch.bool)
+    start[:, 1:] = inputs[:, :-1] == eos_id
+    idx = torch.arange(L, device=inputs.device).expand(B, L)
+    return idx - torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
 
 
 class PackedDataset:
@@ -221,6 +232,35 @@ class PackedDataset:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
         self.cfg = cfg
+        self.eos_id = tokenizer.eos_id
+        if cfg.source == "hf":
+            self._stream(cfg, tokenizer)
+        else:
+            self._pack_listed(cfg, tokenizer)
+        if self.val_documents and len(self.val) == 0 and len(self.train) > 1:
+            # Validation documents shorter than one window: hold out the last training sample instead
+            # (never the only one: then there is no validation data and the trainer turns evaluation off).
+            self.val, self.train = self.train[-1:], self.train[:-1]
+
+    def _stream(self, cfg: DataConfig, tokenizer: Tokenizer) -> None:
+        """data=hf: an on-disk token stream per split, built once, read through a memory map (token_stream)."""
+        from qwen3_research import token_stream
+        from qwen3_research.device import _cache_dir
+
+        where, meta = token_stream.open_or_build(cfg, tokenizer, lambda: hf_documents(cfg.hf), _cache_dir())
+        if not meta["documents"]:
+            raise ConfigError(f"data.source={cfg.source}: the source has no non-empty documents")
+        window = cfg.seq_len + 1
+        self.train = token_stream.windows(where / "train.bin", window)
+        self.val = token_stream.windows(where / "val.bin", window)
+        self.num_tokens, self.num_documents, self.val_documents = meta["tokens"], meta["documents"], meta["val_documents"]
+        if len(self.train) == 0:
+            raise ConfigError(
+                f"data: {meta['train_tokens']} training tokens ({meta['documents'] - self.val_documents} documents, "
+                f"{self.val_documents} held out by data.val_fraction={cfg.val_fraction}) make no training sample of "
+                f"data.seq_len+1={window} tokens; lower data.seq_len or data.val_fraction, or add text")
+
+    def _pack_listed(self, cfg: DataConfig, tokenizer: Tokenizer) -> None:
         docs = load_documents(cfg)
         names = [n for n, _ in docs]
         arrays = _token_cache(tokenizer, docs)
@@ -245,12 +285,8 @@ class PackedDataset:
                 f"data: {total} tokens make no training sample of data.seq_len+1={window} tokens; "
                 "lower data.seq_len or add text"
             )
-        if n_val and len(self.val) == 0 and len(self.train) > 1:
-            # Validation documents shorter than one window: hold out the last training sample instead
-            # (never the only one: then there is no validation data and the trainer turns evaluation off).
-            self.val, self.train = self.train[-1:], self.train[:-1]
         self.num_tokens = int(sum(len(a) for a in arrays))
-        self.num_documents = len(docs)
+        self.num_documents, self.val_documents = len(docs), n_val
 
     def batch_indices(self, step: int, global_batch: int, seed: int) -> np.ndarray:
         """Sample indices of global batch number ``step`` (0-based): epochs of seeded permutations."""
@@ -289,10 +325,15 @@ class PackedDataset:
                 out.append(self._to_batch(np.stack(rows)))
         return out
 
-    @staticmethod
-    def _to_batch(rows: np.ndarray) -> Batch:
-        t = torch.from_numpy(np.ascontiguousarray(rows))
-        return Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
+    def _to_batch(self, rows: np.ndarray) -> Batch:
+        t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        batch = Batch(inputs=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
+        if self.cfg.document_masking:
+            batch.positions = document_positions(batch.inputs, self.eos_id)
+            # an end-of-text token sees only its own document: it does not predict the next one's first token
+            # (torchtitan's text datasets drop that pair; transformers' DataCollatorWithFlattening masks it)
+            batch.labels = batch.labels.masked_fill(batch.inputs == self.eos_id, IGNORE_INDEX)  # not in place: rows may be views
+        return batch
 
 
 # -- data layout -------------------------------------------------------------------------------

@@ -130,7 +130,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     )
 
 
-def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """The chunked loss of a model backend (``hidden_states`` + ``lm_head_weight``); call under the step's autocast."""
-    hidden = backend.hidden_states(inputs)
+def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, positions=None) -> torch.Tensor:
+    """The chunked loss of a model backend (``hidden_states`` + ``lm_head_weight``); call under the step's autocast.
+    ``positions``: per-document positions (data.document_masking), passed on to the backend."""
+    hidden = backend.hidden_states(inputs) if positions is None else backend.hidden_states(inputs, positions=positions)
     return chunked_cross_entropy(hidden, backend.lm_head_weight(), labels, chunk_tokens)

@@ -106,6 +106,10 @@ class Trainer:
             self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
+        from qwen3_research.routing import RoutingMonitor
+
+        # MoE: routing statistics and the auxiliary loss, from hooks on the routers (None: dense, or nothing asked)
+        self.routing = RoutingMonitor.attach(self.backend, cfg.model.moe, self.device.torch_device)
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -178,14 +182,15 @@ class Trainer:
         return apply_overrides(self.backend.model, self.cfg, self.device)
 
     # -- the loop --------------------------------------------------------------------------
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The language-model loss; ``positions``: per-document positions (data.document_masking), else None."""
         if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
             from qwen3_research.loss import lm_loss
 
             with self.device.autocast(self.cfg.training.mixed_precision):
-                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens)
+                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens, positions)
         with self.device.autocast(self.cfg.training.mixed_precision):
-            logits = self.backend.forward(inputs)
+            logits = self.backend.forward(inputs) if positions is None else self.backend.forward(inputs, positions=positions)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
             logits = logits.full_tensor()
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -209,9 +214,12 @@ class Trainer:
         t = self.cfg.training
         inputs = batch.inputs.to(self.device.torch_device)
         labels = batch.labels.to(self.device.torch_device)
-        loss = self._loss(inputs, labels) / t.grad_accum
+        positions = None if batch.positions is None else batch.positions.to(self.device.torch_device)
+        loss = self._loss(inputs, labels, positions) / t.grad_accum
         loss = _inject_fault(t.fault, self.state.step + 1, self.rank, loss)
-        (loss * self.loss_scale).backward()
+        # balance=aux_loss: coef × the routers' auxiliary loss joins the gradient, not the reported LM loss
+        aux = self.routing.aux_term() if self.routing is not None else None
+        ((loss if aux is None else loss + aux / t.grad_accum) * self.loss_scale).backward()
         return loss.detach()
 
     def clip_gradients(self) -> torch.Tensor:
@@ -270,7 +278,9 @@ class Trainer:
         total = torch.zeros((), device=self.device.torch_device)
         try:
             for b in batches:
-                total += self._loss(b.inputs.to(self.device.torch_device), b.labels.to(self.device.torch_device))
+                positions = None if b.positions is None else b.positions.to(self.device.torch_device)
+                total += self._loss(b.inputs.to(self.device.torch_device), b.labels.to(self.device.torch_device),
+                                    positions)
         finally:
             model.train()
             parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
@@ -300,6 +310,7 @@ class Trainer:
             "val_samples": len(self.data.val),
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
+            **(self.routing.summary() if self.routing is not None else {}),
         }
 
     def train(self) -> dict:
@@ -420,6 +431,8 @@ class Trainer:
             "mem_current_gib": rows[0]["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
             "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
         }
+        if self.routing is not None:  # collective: every rank reduces the routing counts of the interval
+            record.update(self.routing.log_fields())
         if self.state.step == 1:
             record["first_step"] = True
         if self.state.skipped_steps and self.state.skipped_steps[-1] == self.state.step:

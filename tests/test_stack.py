@@ -87,7 +87,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.kernels.*", "qwen3_research.hf_interop", "qwen3_research.hf_interop.*",
                     "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.optim",
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
-                    "qwen3_research.neuron_host"]),
+                    "qwen3_research.neuron_host", "qwen3_research.routing", "qwen3_research.token_stream"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.device",
                   "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup"]),
     ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),

@@ -189,7 +189,9 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
     (["parallelism=tp2"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0 (found 0.2.2): DTensor has no sharding "
      "rule for the CPU flash attention"),
     (["parallelism=fsdp_tp", "parallelism.nproc_per_node=4"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0"),
-], ids=["moe", "ep2", "tp2", "fsdp_tp"])
+    (["data.document_masking=true"], "data.document_masking=true needs torchtitan>=0.3.0 (found 0.2.2): 0.2.x's SDPA "
+     "attention takes no mask"),
+], ids=["moe", "ep2", "tp2", "fsdp_tp", "document_masking"])
 def test_layouts_0_2_cannot_run_on_cpu_are_one_line_config_errors(tmp_path, overrides, expect):
     """Measured without the check: MoE stops at NotImplementedError "histogram_cpu" not implemented for
     'Long'; TP at "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding

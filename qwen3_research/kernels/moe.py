@@ -206,7 +206,11 @@ def make_experts_forward(op, default_options: dict):
     return forward
 
 
-def install_experts(kernel: str, op, default_options: dict):
+def install_experts(kernel: str, op, default_options: dict, padded_rows=None):
+    """``padded_rows(module, x, counts)``: rows the kernel computes beyond the routed ones (block padding), for
+    the routing statistics (qwen3_research.routing); None: the kernel pads nothing (it also replaces the
+    group alignment a neuron base module pads with, ``titan.align_token_groups``)."""
+
     def install(module, options: dict, device=None) -> None:
         unknown = set(options) - set(default_options) - {"dtype"}
         if unknown:
@@ -218,7 +222,8 @@ def install_experts(kernel: str, op, default_options: dict):
         if key not in _CLASS_CACHE:
             _CLASS_CACHE[key] = type(
                 f"{base.__name__}_{kernel}", (base,),
-                {"forward": make_experts_forward(op, default_options), "kernel_name": kernel},
+                {"forward": make_experts_forward(op, default_options), "kernel_name": kernel,
+                 "padded_rows": padded_rows},
             )
         module.__class__ = _CLASS_CACHE[key]
         module._kernel_options = dict(options)

@@ -390,9 +390,17 @@ def _planning(device) -> bool:
 
 
 # ---------------------------------------------------------------------------- registry glue
+def padded_slots(module, x, counts) -> int:
+    """Block slots the kernel computes beyond the R routed rows: every call computes its N static capacity
+    blocks of B slots (``capacity_blocks``; padding slots read the zero row), so sum N·B - R over the calls."""
+    opts = {**MOE_OPTIONS, **getattr(module, "_kernel_options", {})}
+    B, E, R = int(opts["block_size"]), int(counts.shape[0]), int(x.shape[0])
+    return sum(capacity_blocks(r, E, B) * B for r in row_chunks(R, int(opts["tokens_per_call"]))) - R
+
+
 def _install_moe(module, options, device=None):
     op = _moe_apply(_lnc(device), _planning(device))
-    install_experts("nki_moe", op, MOE_OPTIONS)(module, options)
+    install_experts("nki_moe", op, MOE_OPTIONS, padded_rows=padded_slots)(module, options)
 
 
 def _install_rope(module, options, device=None):

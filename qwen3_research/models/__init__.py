@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from qwen3_research.config import ModelConfig, RunConfig
+from qwen3_research.errors import ConfigError
 from qwen3_research.models import registry
 from qwen3_research.models.registry import BackendSpec, spec
 
@@ -45,6 +46,9 @@ def check_run(rc: RunConfig) -> None:
     """The backend's checks of the whole run before any worker starts (native: what the installed torchtitan
     cannot run, ``titan.check_supported``)."""
     s = check(rc.model)
+    if rc.data.document_masking and not s.document_masking:
+        raise ConfigError(f"data.document_masking=true: model={s.name} takes no per-document positions; use "
+                          f"data.document_masking=false or a backend that does ({[n for n in registry.in_tree() if registry.get(n).document_masking]})")
     if s.check_run is not None:
         s.check_run(rc)
 

@@ -22,9 +22,17 @@ class ModelBackend:
     n_heads: int
     n_kv_heads: int
     num_experts: int = 0
+    balance = None  # MoE: the load balancing it trains with (qwen3_research.routing.Balance); None: dense
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L, V) logits
+        """A backend whose spec declares ``document_masking`` also takes ``positions=`` (B, L): per-document
+        positions (0 at every document start) that restart attention and RoPE there."""
         raise NotImplementedError
+
+    def attach_router_hooks(self, fn) -> tuple[list, list]:
+        """MoE: call ``fn(layer, router module, probs (.., E), ids (.., K))`` after each router forward
+        (qwen3_research.routing); (hook handles, [(experts, top_k)] per MoE layer). Dense: nothing."""
+        return [], []
 
     def parallelize(self, parallel_dims, tt) -> None:
         raise NotImplementedError

@@ -85,9 +85,36 @@ class HFCausalLM(ModelBackend):
         self.num_params = sum(p.numel() for p in self.model.parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.n_heads
         self.flops_per_token = hf_flops_per_token(self.model, text, self.n_heads, head_dim, seq_len)
+        if self.num_experts:  # auto follows the checkpoint: its router_aux_loss_coef (qwen3_research.routing)
+            from qwen3_research import routing
+            from qwen3_research.models import registry
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=inputs, use_cache=False).logits
+            self.balance = routing.resolve_balance(cfg.moe, checkpoint=text.to_dict(), what="model.path",
+                                                   modes=registry.spec(cfg).balance_modes)
+        elif cfg.moe.balance not in ("auto", "none"):
+            raise ConfigError(f"model.moe.balance={cfg.moe.balance}: model.path={cfg.path!r} is not a mixture of "
+                              "experts; use model.moe.balance=auto")
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids restarting at 0 make transformers mask each packed document apart (masking_utils:
+        # find_packed_sequence_indices, with no attention_mask) and give RoPE the per-document positions
+        return self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+
+    def attach_router_hooks(self, fn) -> tuple[list, list]:
+        """Qwen3-MoE's ``mlp.gate`` (Qwen3MoeTopKRouter) returns (router_logits, router_scores, router_indices)
+        (transformers/models/qwen3_moe/modeling_qwen3_moe.py); its probabilities are the softmax of the logits
+        in float32, as the router and ``load_balancing_loss_func`` compute them."""
+        handles, shapes = [], []
+        routers = [layer.mlp.gate for layer in self._layers()
+                   if hasattr(getattr(layer, "mlp", None), "gate") and hasattr(layer.mlp.gate, "top_k")]
+        for i, gate in enumerate(routers):
+            def hook(mod, args, out, i=i):
+                logits, _scores, ids = out
+                fn(i, mod, torch.softmax(logits.float(), dim=-1), ids)
+
+            handles.append(gate.register_forward_hook(hook))
+            shapes.append((int(gate.num_experts), int(gate.top_k)))
+        return handles, shapes
 
     def finalize_single(self, tt) -> None:
         if tt.activation_checkpoint is not None:
@@ -161,13 +188,13 @@ class HFCausalLM(ModelBackend):
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
 
     # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
-    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, hidden) after the final norm, from the whole model's forward (so FSDP's root unit gathers
         the lm_head weight) with ``lm_head`` swapped for an identity during the call."""
         lm_head = self.model.lm_head
         self.model.lm_head = nn.Identity()
         try:
-            return self.model(input_ids=inputs, use_cache=False).logits
+            return self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
         finally:
             self.model.lm_head = lm_head
 

@@ -86,6 +86,7 @@ def native_spec(name: str, flavors: Mapping[str, Flavor], *, moe: bool, hf_model
         name=name, describe=bind(describe), build=bind(build), flavors=flavors, takes_init_from=True, moe=moe,
         torchtitan=True, hf_model_type=hf_model_type, check_run=bind(check_run), tokenizer_dir=lambda cfg: cfg.init_from,
         flops_per_token=bind(flops_per_token), architecture=lambda cfg: resolve_flavor(cfg, spec)[1],
+        balance_modes=("bias", "aux_loss", "none") if moe else ("none",), document_masking=True,
     )
     return spec
 

@@ -52,6 +52,19 @@ class NativeQwen3(ModelBackend):
             self.model_config = titan.qwen3_config_for_architecture(self.flavor, cfg.attention, device.type, seq_len)
         else:
             self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
+        self.is_moe = self.flavor.num_experts > 0
+        if self.is_moe:  # the expert bias exists only with balance=bias (torchtitan builds it from the config)
+            from qwen3_research import routing
+            from qwen3_research.models import registry
+
+            checkpoint = None
+            if cfg.init_from:
+                from qwen3_research.hf_interop.config import read_hf_config
+
+                checkpoint = read_hf_config(cfg.init_from)
+            self.balance = routing.resolve_balance(cfg.moe, checkpoint=checkpoint, what="model.init_from",
+                                                   modes=registry.spec(cfg).balance_modes)
+            titan.set_moe_load_balance(self.model_config, self.balance.bias_coef if self.balance.mode == "bias" else None)
         if tt_parallelism is not None:
             titan.apply_parallelism_plans(self.model_config, tt_parallelism)
         self.device = device
@@ -63,7 +76,6 @@ class NativeQwen3(ModelBackend):
         # neuron (a kernel override on the experts replaces this forward).
         titan.align_token_groups(self.model, device.type)
         self.num_params, self.flops_per_token = titan.nparams_and_flops(self.model_config, self.model, seq_len)
-        self.is_moe = self.flavor.num_experts > 0
         self._initialized = False
         if self.num_params <= FULL_INIT_MAX_PARAMS and not init_from:
             self.init_weights()
@@ -98,7 +110,10 @@ class NativeQwen3(ModelBackend):
             titan.init_weights(self.model, self.device)
         self._initialized = True
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:  # data.document_masking: per-document RoPE positions and attention
+            return self.model(inputs, positions=positions,
+                              attention_masks=titan.document_attention_masks(self.model, positions, self.flex))
         if not self.flex:
             return self.model(inputs)
         key = tuple(inputs.shape)
@@ -119,17 +134,20 @@ class NativeQwen3(ModelBackend):
         super().finalize_single(tt)
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
-        if self.is_moe:
+        if self.is_moe:  # registers nothing unless balance=bias (no coefficient on the layers otherwise)
             titan.register_moe_load_balancing_hook(optimizer, self.model, parallel_dims)
+
+    def attach_router_hooks(self, fn) -> tuple[list, list]:
+        return titan.attach_router_hooks(getattr(self.model, "_orig_mod", self.model), fn)
 
 
     # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
-    def hidden_states(self, inputs: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, dim) after the final norm: torchtitan's own ``_skip_lm_head`` switch for chunked losses."""
         inner = getattr(self.model, "_orig_mod", self.model)  # under torch.compile
         inner._skip_lm_head = True
         try:
-            return self.model(inputs)
+            return self.forward(inputs, positions)
         finally:
             inner._skip_lm_head = False
 

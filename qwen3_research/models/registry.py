@@ -70,6 +70,10 @@ class BackendSpec:
     architecture: Callable[[ModelConfig], Any] = _no_architecture
     # doctor --run: overrides a tiny 2-step run of this backend needs (it may write files under the directory).
     smoke_overrides: Callable[[Path], list] = lambda tmp: []
+    # model.moe.balance values it runs (qwen3_research.routing); the first is its default without a checkpoint.
+    balance_modes: tuple = ("none",)
+    # data.document_masking: forward(inputs, positions=...) restarts attention and RoPE at each document.
+    document_masking: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,6 +137,10 @@ def check(cfg: ModelConfig) -> BackendSpec:
     from_checkpoint = cfg.flavor == "auto" or (cfg.flavor in FROM_CHECKPOINT and cfg.init_from)
     if s.flavors and cfg.flavor not in s.flavors and not from_checkpoint:
         raise ConfigError(f"model.flavor={cfg.flavor!r} is not a {s.name} flavor; choose one of {list(s.flavors)}")
+    balance = getattr(getattr(cfg, "moe", None), "balance", "auto")
+    if balance != "auto" and balance not in s.balance_modes:
+        raise ConfigError(f"model.moe.balance={balance} is not available with model={s.name}; choose one of "
+                          f"{['auto', *s.balance_modes]}")
     if s.check is not None:
         s.check(cfg)
     return s

@@ -57,7 +57,7 @@ def _fmt(v: Any) -> str:
 class ConsoleSink(MetricSink):
     """One line per logged step; a progress bar on top when stdout is a terminal."""
 
-    KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_peak_gib", "step_time_s")
+    KEYS = ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_peak_gib", "step_time_s", "moe_max_load")
 
     def __init__(self, total_steps: int, progress_bar: bool, print_config: bool):
         self.total = total_steps
@@ -153,8 +153,25 @@ def _wandb_flat(record: dict) -> dict:
                     out[f"memory/rank{row['rank']}/{mk}"] = row[mk]
         elif k.startswith("eval_"):
             out[f"eval/{k[5:]}"] = v
+        elif k.startswith("moe_"):  # MoE routing (qwen3_research.routing): moe/max_load, moe/layer0/..., ...
+            out.update(_wandb_moe(k, v))
         elif isinstance(v, (int, float)):
             out[f"train/{k}"] = v
+    return out
+
+
+def _wandb_moe(key: str, value) -> dict:
+    """``moe_<figure>`` -> ``moe/<figure>``; ``moe_per_layer`` rows -> ``moe/layer<i>/<figure>`` and the tokens
+    per expert as a W&B histogram (one bin per expert, logged inline in the history row)."""
+    if key != "moe_per_layer":
+        return {f"moe/{key[4:]}": value}
+    import wandb
+
+    out = {}
+    for row in value:
+        prefix = f"moe/layer{row['layer']}"
+        out.update({f"{prefix}/{k}": v for k, v in row.items() if k not in ("layer", "tokens")})
+        out[f"{prefix}/tokens_per_expert"] = wandb.Histogram(np_histogram=(row["tokens"], list(range(len(row["tokens"]) + 1))))
     return out
 
 
@@ -251,7 +268,7 @@ class WandbSink(MetricSink):
                 return
         try:
             self.run.define_metric("train/step")
-            for pattern in ("train/*", "eval/*", "memory/*"):
+            for pattern in ("train/*", "eval/*", "memory/*", "moe/*"):
                 self.run.define_metric(pattern, step_metric="train/step")
             self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
         except Exception as e:  # noqa: BLE001

@@ -34,7 +34,7 @@ API = (
     "qwen3_model_config", "qwen3_config_for_architecture", "apply_parallelism_plans", "build_model",
     "nparams_and_flops", "init_weights", "parallelize_qwen3", "register_moe_load_balancing_hook",
     "state_dict_adapter", "parallel_dims", "training_configs", "apply_activation_checkpointing", "no_parallel",
-    "mark_expert_counts_varying",
+    "mark_expert_counts_varying", "set_moe_load_balance", "attach_router_hooks", "document_attention_masks",
 )
 
 
@@ -63,3 +63,6 @@ training_configs = api.training_configs  # the config objects parallelize_qwen3 
 apply_activation_checkpointing = api.apply_activation_checkpointing  # single process, no sharding
 no_parallel = api.no_parallel  # torchtitan's NoParallel TP style
 mark_expert_counts_varying = api.mark_expert_counts_varying  # spmd_types' type checker (0.3.x)
+set_moe_load_balance = api.set_moe_load_balance  # the expert-bias coefficient (None: off) on the config, before the build
+attach_router_hooks = api.attach_router_hooks  # fn(layer, router, probs, ids) after each MoE router forward
+document_attention_masks = api.document_attention_masks  # masks of packed documents from per-document positions

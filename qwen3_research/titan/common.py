@@ -97,7 +97,14 @@ def _aligned_experts_class(base, unpadded_forward):
         x_pad = x.new_zeros(M, x.shape[1]).index_copy(0, slot, x)
         return experts(self, x_pad, padded_counts).index_select(0, slot)
 
-    return type(base.__name__, (base,), {"forward": forward, "__module__": __name__})
+    def padded_rows(self, x, num_tokens_per_expert):
+        """Rows added to align the groups (qwen3_research.routing's statistics): sum_e ceil(c_e/a)·a - c_e."""
+        c, a = num_tokens_per_expert.to(torch.int64), self.group_align
+        return ((c + (a - 1)) // a * a - c).sum()
+
+    import torch
+
+    return type(base.__name__, (base,), {"forward": forward, "padded_rows": padded_rows, "__module__": __name__})
 
 
 def padded_groups(counts, rows: int, align: int):

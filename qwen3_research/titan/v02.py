@@ -47,6 +47,11 @@ def check_supported(rc, *, moe: bool) -> None:
             f"parallelism.tp={p.tp} with parallelism.sequence_parallel=false {needs()}: 0.2.x always shards "
             "the sequence with TP; set parallelism.sequence_parallel=true"
         )
+    if rc.data.document_masking:
+        raise ConfigError(
+            f"data.document_masking=true {needs()}: 0.2.x's SDPA attention takes no mask (it asserts "
+            "attention_masks is None); use data.document_masking=false, model=hf, or torchtitan==0.3.0"
+        )
     if rc.model.attention == "flex" and device_type == "cuda":
         raise ConfigError(f"model.attention=flex {needs()}: 0.2.x takes a BlockMask we do not pass; use model.attention=sdpa")
 
@@ -311,6 +316,43 @@ def register_moe_load_balancing_hook(optimizer, model, parallel_dims) -> None:
                 moe.tokens_per_expert.zero_()
 
     optimizer.register_step_pre_hook(update_expert_bias)
+
+
+# -- MoE routing (qwen3_research.routing) --------------------------------------------------------
+def set_moe_load_balance(args, coeff) -> None:
+    """The expert-bias coefficient (``MoEArgs.load_balance_coeff``, v0.2.2 torchtitan/models/moe/moe.py), before
+    the build. None: no ``expert_bias`` buffer, and ``register_moe_load_balancing_hook`` registers nothing."""
+    if getattr(args, "moe_enabled", False):
+        args.moe_args.load_balance_coeff = coeff
+
+
+def attach_router_hooks(model, fn) -> tuple[list, list]:
+    """Call ``fn(layer, router, probs, ids)`` after every MoE router forward (as ``v03.attach_router_hooks``).
+    0.2.x's router returns (top scores, expert ids, counts), not the scores over all experts: ``probs`` is the
+    softmax of its gate's output in float32, as the router computes it (v0.2.2 TokenChoiceTopKRouter.forward)."""
+    import torch
+
+    handles, shapes = [], []
+    blocks = [b for b in model.get_submodule("layers").values()
+              if getattr(getattr(b, "_checkpoint_wrapped_module", b), "moe_enabled", False)]
+    for i, block in enumerate(blocks):
+        router = getattr(block, "_checkpoint_wrapped_module", block).moe.router
+        logits = {}
+
+        def gate_hook(mod, args, out, logits=logits):
+            logits["last"] = out
+
+        def router_hook(mod, args, out, i=i, logits=logits):
+            fn(i, mod, torch.softmax(logits.pop("last").float(), dim=-1), out[1])
+
+        handles += [router.gate.register_forward_hook(gate_hook), router.register_forward_hook(router_hook)]
+        shapes.append((int(router.num_experts), int(router.top_k)))
+    return handles, shapes
+
+
+def document_attention_masks(model, positions, flex: bool):
+    """Not on 0.2.x: ``check_supported`` refuses data.document_masking at start-up."""
+    raise NotImplementedError(f"document masking {needs()}")
 
 
 def state_dict_adapter(model_config):

@@ -10,6 +10,7 @@ inside a function: torchtitan reads the device type at import (``device.prepare_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 
@@ -115,6 +116,90 @@ def register_moe_load_balancing_hook(optimizer, model, parallel_dims) -> None:
     from torchtitan.components.optimizer import register_moe_load_balancing_hook as hook
 
     hook(optimizer, [model], parallel_dims)
+
+
+# -- MoE routing (qwen3_research.routing) --------------------------------------------------------
+def set_moe_load_balance(model_config, coeff) -> None:
+    """The expert-bias coefficient of every MoE layer (``MoE.Config.load_balance_coeff``, torchtitan
+    models/common/moe.py), before the build. None: no ``expert_bias_E`` buffer, and
+    ``register_moe_load_balancing_hook`` registers nothing (torchtitan components/optimizer/optimizer.py)."""
+    for layer in model_config.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.load_balance_coeff = coeff
+
+
+def attach_router_hooks(model, fn) -> tuple[list, list]:
+    """Call ``fn(layer, router, probs, ids)`` after every MoE router forward, MoE layers numbered 0.. in order:
+    ``probs`` (.., E) the softmax over experts (torchtitan's ``scores_BLE``, float32, unbiased, in the graph),
+    ``ids`` (.., K) the experts each token was sent to (the expert bias included). (hook handles, [(E, K)])."""
+    handles, shapes = [], []
+    for i, block in enumerate(b for b in model.layers.values() if _moe_of(b) is not None):
+        router = _moe_of(block).router
+
+        def hook(mod, args, out, i=i):
+            _scores_BLK, ids_BLK, scores_BLE = out  # TokenChoiceTopKRouter.forward's return
+            fn(i, mod, scores_BLE, ids_BLK)
+
+        handles.append(router.register_forward_hook(hook))
+        shapes.append((int(router.num_experts), int(router.top_k)))
+    return handles, shapes
+
+
+def _moe_of(block):
+    """A transformer block's MoE module (through an activation-checkpoint wrapper), or None."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    return inner.moe if getattr(inner, "moe_enabled", False) else None
+
+
+# -- document masking (data.document_masking) -------------------------------------------------------
+def document_attention_masks(model, positions, flex: bool):
+    """The attention masks of packed documents whose ``positions`` (B, L) restart at 0 at every document.
+
+    flex (CUDA): torchtitan's own block-causal BlockMask from the positions (``Decoder.get_attention_masks``,
+    models/common/decoder.py). sdpa: a boolean (B, 1, L, L) mask, same document and causal, which the SDPA
+    modules take after ``_masked_sdpa`` (torchtitan's ``ScaledDotProductAttention`` refuses masks: it only
+    does ``is_causal``). B·L² bytes: 64 MiB at 4 × 4096."""
+    import torch
+
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if flex:
+        return inner.get_attention_masks(positions=positions)
+    _masked_sdpa(inner)
+    doc = torch.cumsum(positions == 0, dim=1)
+    L = positions.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def _masked_sdpa(model) -> None:
+    """Every ScaledDotProductAttention of ``model`` takes a boolean mask (once; no parameter changes)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for module in model.modules():
+        if type(module) is ScaledDotProductAttention:
+            module.__class__ = _MaskedSDPA()
+
+
+@functools.lru_cache(maxsize=None)
+def _MaskedSDPA():
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                is_causal=True, **kwargs):
+        if attention_masks is None:
+            return ScaledDotProductAttention.forward(self, q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
+                                                     is_causal=is_causal, **kwargs)
+        mask = attention_masks
+        if isinstance(q_BLNH, DTensor) and not isinstance(mask, DTensor):  # heads sharded: the mask is whole
+            mask = DTensor.from_local(mask, q_BLNH.device_mesh, [Replicate()] * q_BLNH.device_mesh.ndim)
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        # torch's own kernel choice: flash takes no mask, efficient attention and math do
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+    return type("ScaledDotProductAttention", (ScaledDotProductAttention,), {"forward": forward, "__module__": __name__})
 
 
 def state_dict_adapter(model_config):
