@@ -65,7 +65,10 @@ class Trainer:
             torch.distributed.init_process_group(backend=self.device.dist_backend)
         # After the process group (on neuron it starts the runtime on this rank's core): every rank's
         # device, LNC and environment as the worker sees them, for summary.json.
-        self.device_facts = self._gather(self.device.facts(self._compute_dtype()))
+        from qwen3_research import allocator
+
+        self.device_facts = self._gather({**self.device.facts(self._compute_dtype()), "cpu_allocator": allocator.status(),
+                                          "spawned": allocator.started_by_spawn()})  # as this rank observes them
 
         from qwen3_research import models
         from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
