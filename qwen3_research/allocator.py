@@ -88,25 +88,15 @@ def mimalloc_loaded() -> bool:
 
 def _device_kind_from_argv(argv: list[str]) -> str:
     """The device the command will run on, as far as its command line and the host tell before torch is imported:
-    ``device=X`` / ``device.type=X`` (the last one), else neuron where TorchNeuron is installed, cuda where an
-    NVIDIA driver lists a GPU, else cpu."""
+    ``device=X`` / ``device.type=X`` (the last one), else what ``startup.device_kind_before_torch`` sees."""
+    from qwen3_research.startup import device_kind_before_torch
+
     kind = "auto"
     for a in argv:
         key, eq, value = a.partition("=")
         if eq and key.lstrip("+") in ("device", "device.type"):
             kind = value.strip()
-    if kind != "auto":
-        return kind
-    import importlib.util
-
-    if importlib.util.find_spec("torch_neuronx") is not None:
-        return "neuron"
-    try:
-        if os.listdir("/proc/driver/nvidia/gpus") and os.environ.get("CUDA_VISIBLE_DEVICES", "0") not in ("", "-1"):
-            return "cuda"
-    except OSError:
-        pass
-    return "cpu"
+    return device_kind_before_torch(kind)
 
 
 def _reexec_argv(module: str) -> list[str]:

@@ -71,16 +71,19 @@ def tracked(step_fn, model, optimizer) -> tuple:
     return (result, *_snapshot_bytes(tracker))
 
 
-def track_step(step_fn, model, optimizer, world_size: int = 1):
+def track_step(step_fn, model, optimizer, world_size: int = 1, categories: list | None = None):
     """Run ``step_fn`` (one training step) under the peak tracker; return (its result, peak bytes per rank).
 
-    Collective when the run has several ranks (every rank calls it at the same step).
+    Collective when the run has several ranks (every rank calls it at the same step). ``categories``: a list that
+    receives, per rank, the bytes by category at that rank's peak (the rows ``qwen3_research.plan`` prints).
     """
     import torch
 
-    result, _, peak = tracked(step_fn, model, optimizer)
-    peaks = [peak]
+    result, cats, peak = tracked(step_fn, model, optimizer)
+    rows = [(peak, cats)]
     if world_size > 1:
-        peaks = [None] * world_size
-        torch.distributed.all_gather_object(peaks, peak)
-    return result, peaks
+        rows = [None] * world_size
+        torch.distributed.all_gather_object(rows, (peak, cats))
+    if categories is not None:
+        categories[:] = [c for _, c in rows]
+    return result, [p for p, _ in rows]

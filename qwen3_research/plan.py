@@ -68,6 +68,7 @@ class RankPlan:
     even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines of this rank
     kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
+    param_shards: int | None = None  # this rank's own (sharded) parameter bytes; traced params − this = gathered
 
 
 @dataclass
@@ -224,7 +225,11 @@ def trace_rank(resolved: dict, rank: int, world: int) -> RankPlan:
             lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
                      if ln.startswith("    ") and not ln.strip().startswith("layers.")]
             kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
-        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved))
+            from qwen3_research.parallel import state_bytes
+
+            shards = state_bytes(trainer.backend.model)["params"]
+        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved),
+                        param_shards=int(shards))
     finally:
         if trainer is not None:
             trainer.close()
@@ -276,19 +281,27 @@ def estimate(rc, degrees, facts: dict) -> dict:
     f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
     # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
     # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
-    per_token_layer = 4 * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
+    bf16_params = rc.training.mixed_precision == "bf16_params"  # FSDP's bf16 parameter copies: bf16 activations
+    s_a = 2 if bf16_params else 4
+    per_token_layer = s_a * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
     ac = rc.parallelism.activation_checkpoint
     layers_act = tokens * per_token_layer * f.n_layers
     if ac == "full":
-        layers_act = tokens * 4 * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
+        layers_act = tokens * s_a * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
     elif ac == "selective":
         layers_act *= 0.6
-    mp = 2 if rc.training.mixed_precision == "bf16" else 4
+    mp = 2 if rc.training.mixed_precision in ("bf16", "bf16_params") else 4
     if rc.training.loss == "chunked":
         logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
     else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
         logits = tokens * v * (mp + 4 + 4)
-    gathered = 2 * 4 * layer / tp if degrees.dp_shard > 1 else 0  # one layer gathered, the next prefetched
+    # FSDP: one block gathered and the next prefetched, plus the root unit (embeddings, norm, lm_head), which stays
+    # gathered from its forward to its backward; in bf16 under bf16_params (fp32 shards, bf16 copies), whose
+    # backward also casts a block's gradients to an fp32 reduce-scatter input (torch's foreach_reduce).
+    s_p = 2 if bf16_params else 4
+    fsdp = degrees.dp_shard > 1 or bf16_params
+    root = v * d * (1 if f.tie_embeddings else 2) + d
+    gathered = (s_p * (2 * layer + root) + (4 * layer if bf16_params else 0)) / tp if fsdp else 0
     out = {"params": params, "grads": params, "optimizer": 2 * params, "activations": layers_act,
            "logits and loss": logits, "fsdp gathered": gathered}
     # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
@@ -383,6 +396,11 @@ def render(plan: Plan) -> str:
     for label, key in rows:
         lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
                      + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
+        if key == "params" and any(r.param_shards is not None and r.traced.get("params", 0) > r.param_shards
+                                   for _, r in cols):  # FSDP's gathered copies (bf16 under bf16_params) at the peak
+            lines.append("  of which gathered".ljust(22)
+                         + "".join(g(r.traced.get("params", 0) - (r.param_shards or 0)).rjust(12) for _, r in cols)
+                         + "-".rjust(13))
     for key in ("logits and loss", "fsdp gathered", "kernel saved"):
         if key in est:
             lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
@@ -430,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": plan.per_rank_peak(), "mirrored_ranks": plan.mirrored,
                           "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
+                          "per_rank_param_shard_bytes": {r.rank: r.param_shards for r in plan.ranks},
                           "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
                           "flops_per_step": plan.flops_per_step}), flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT

@@ -78,7 +78,11 @@ class Trainer:
         self.degrees = parallel.validate_degrees(
             cfg.parallelism, seq_len=cfg.data.seq_len, world_size=self.world_size, **facts
         )
-        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type, single_process_mesh=facts["is_moe"])
+        # training.mixed_precision=bf16_params in one process: FSDP2 over a one-rank mesh (parallel.fsdp_on_one_process)
+        fsdp_of_one = (cfg.training.mixed_precision == "bf16_params" and not self.degrees.sharded
+                       and parallel.fsdp_on_one_process(cfg.model))
+        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type,
+                                                          single_process_mesh=facts["is_moe"] or fsdp_of_one)
         self.dp_rank, self.dp_size = self._dp_coordinates()
         from qwen3_research.config import resolve_batch_size
 
@@ -108,12 +112,13 @@ class Trainer:
         )
         self.kernel_plan = self._apply_kernels()
         self.loss_scale = 1.0  # backward sees loss × this; gradients are then summed over dp ranks
-        if self.degrees.sharded:
+        if self.degrees.sharded or fsdp_of_one:
             self.backend.parallelize(self.parallel_dims, tt)
             devices.after_sharding(self.device, self.backend.model)
             self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
+        resolved_config = self._precision_in_effect(resolved_config)
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -139,7 +144,21 @@ class Trainer:
 
     # -- construction helpers ----------------------------------------------------------------
     def _compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.training.mixed_precision == "bf16" else torch.float32
+        return torch.bfloat16 if self.cfg.training.mixed_precision in ("bf16", "bf16_params") else torch.float32
+
+    def _precision_in_effect(self, resolved_config: dict) -> dict:
+        """bf16_params where no FSDP unit casts the parameters (torchtitan 0.2.x without dp_shard > 1, a backend
+        without FSDP in this layout): autocast bf16 instead, as torchtitan 0.2.2's own trainer does there
+        (``maybe_enable_amp``), said in one line; summary.json and W&B record the value used."""
+        t = self.cfg.training
+        if t.mixed_precision != "bf16_params" or parallel.bf16_params_in_effect(self.backend.model):
+            return resolved_config
+        t.mixed_precision = "bf16"
+        if self.is_main:
+            print(f"note: training.mixed_precision=bf16_params: no FSDP unit casts the parameters in this layout "
+                  f"({self.degrees.describe()}, torchtitan {titan.version()}); autocast bf16 (training.mixed_precision"
+                  "=bf16) instead, as torchtitan does without FSDP", file=sys.stderr, flush=True)
+        return {**resolved_config, "training": {**resolved_config.get("training", {}), "mixed_precision": "bf16"}}
 
     def _gather(self, row: dict) -> list[dict]:
         if self.world_size == 1:
@@ -315,7 +334,7 @@ class Trainer:
         self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(self._compute_dtype())
-        peak_live_bytes = None
+        peak_live_bytes, peak_categories = None, []
         self.backend.model.train()
         from qwen3_research.signals import Interrupted, StopOnSignal
 
@@ -331,7 +350,7 @@ class Trainer:
                         from qwen3_research.memory import track_step
 
                         (loss, grad_norm), peak_live_bytes = track_step(self.train_step, self.backend.model,
-                                                                        self.optimizer, self.world_size)
+                                                                        self.optimizer, self.world_size, peak_categories)
                     else:
                         loss, grad_norm = self.train_step()
                     self.device.synchronize()
@@ -370,6 +389,7 @@ class Trainer:
         }
         if peak_live_bytes:
             summary["peak_live_bytes_per_rank"] = peak_live_bytes
+            summary["peak_live_categories_per_rank"] = peak_categories  # bytes by plan category at each rank's peak
         self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 
