@@ -38,12 +38,12 @@ def compose(overrides: list[str]) -> dict:
 
 
 def build_trainer(overrides: list[str], run_dir: str | None = None):
-    from qwen3_research.config import to_run_config
+    from qwen3_research.resolve import resolve_run
     from qwen3_research.trainer import RunInfo, Trainer
 
-    resolved = compose(overrides)
+    run = resolve_run(compose(overrides))
     run_dir = run_dir or tempfile.mkdtemp(prefix="qwen3_bench_")
-    return Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+    return Trainer(run, RunInfo(run_dir=run_dir))
 
 
 class quiet_stdout:

@@ -10,13 +10,13 @@ import os
 
 def worker(resolved: dict, run_dir: str) -> dict:
     import _common  # noqa: F401  (pins the device before torchtitan is imported)
-    from qwen3_research.config import to_run_config
-    from qwen3_research.launch import _limit_threads
+    from qwen3_research.launch.elastic import _limit_threads
     from qwen3_research.parallel import state_bytes
+    from qwen3_research.resolve import resolve_run
     from qwen3_research.trainer import RunInfo, Trainer
 
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+    trainer = Trainer(resolve_run(resolved), RunInfo(run_dir=run_dir))
     try:
         summary = trainer.train()
         sb = state_bytes(trainer.backend.model, trainer.optimizer)  # after the last step (grads freed)

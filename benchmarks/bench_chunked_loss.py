@@ -23,7 +23,7 @@ BASE = ["model=native", "model.flavor=tiny", "data.seq_len=2048", "device=cpu"]
 
 def traced_peak(loss: str, batch: int) -> int:
     from qwen3_research.compose import compose_resolved
-    from qwen3_research.plan import make_plan
+    from qwen3_research.planner import make_plan
 
     plan = make_plan(compose_resolved(BASE + [f"data.batch_size={batch}", f"training.loss={loss}",
                                      "logging.wandb.mode=disabled", "training.eval_every=0"]))

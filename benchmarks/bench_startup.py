@@ -34,7 +34,7 @@ t_interp = time.time()
 t0 = time.perf_counter()
 sys.path.insert(0, os.environ["BENCH_HERE"])
 import qwen3_research.__main__  # the entry module (Hydra, config schemas)
-from qwen3_research.launch import worker  # launcher + trainer module
+from qwen3_research.launch.elastic import worker  # launcher + trainer module
 import torch
 from qwen3_research import device as devices
 devices.prepare_torchtitan("cpu")
@@ -42,12 +42,12 @@ import torchtitan.models.qwen3  # what the Trainer imports while building
 t_imports = time.perf_counter()
 import _common as C
 resolved = C.compose(json.loads(os.environ["BENCH_OVERRIDES"]))
-from qwen3_research.config import to_run_config
-rc = to_run_config(resolved)
+from qwen3_research.resolve import resolve_run
+run = resolve_run(resolved)
 t_config = time.perf_counter()
 from qwen3_research.trainer import RunInfo, Trainer
 import tempfile
-trainer = Trainer(rc, RunInfo(run_dir=tempfile.mkdtemp(prefix="startup_")), resolved)
+trainer = Trainer(run, RunInfo(run_dir=tempfile.mkdtemp(prefix="startup_")))
 t_build = time.perf_counter()
 summary = trainer.train()
 trainer.close()
@@ -85,8 +85,8 @@ def main(argv=None):
     print(f"A. python -m qwen3_research {' '.join(OVERRIDES)}")
     for i in range(args.repeats):
         r = run_cli()
-        print(f"  repeat {i}: command wall {r['wall']:.2f} s = before launch.run (interpreter, imports, Hydra compose "
-              f"+ preflight) {r['wall'] - r['run_wall_s']:.2f} s + launch.run {r['run_wall_s']:.2f} s "
+        print(f"  repeat {i}: command wall {r['wall']:.2f} s = before launch.elastic.run (interpreter, imports, Hydra compose "
+              f"+ preflight) {r['wall'] - r['run_wall_s']:.2f} s + launch.elastic.run {r['run_wall_s']:.2f} s "
               f"[Trainer build {r['build_s']:.2f} s, first step {r['first_step_s']:.2f} s, rest (validate, sinks, "
               f"summary) {r['run_wall_s'] - r['build_s'] - r['first_step_s']:.2f} s]")
     print("B. instrumented child (same overrides), phases in seconds")

@@ -121,33 +121,30 @@ def preflight_overrides(overrides: list[str]) -> None:
 
 
 def preflight(overrides: list[str]) -> None:
-    """Compose and validate once; exit 2 with one line on any configuration error."""
-    from qwen3_research import models
-    from qwen3_research.config import to_run_config, validate
-    from qwen3_research.parallel import validate_degrees
+    """Compose and resolve once (``resolve.resolve_run``: the same checks the launcher and every other entry
+    point make, the kernel targets on a meta-device model included), then the run dir; exit 2 with one line on
+    any configuration error, before Hydra creates anything."""
+    from omegaconf import OmegaConf
 
     try:
         cfg = compose(overrides)
-        rc = validate(to_run_config(cfg))  # also catches a '+key=' that bypassed the struct check
-        models.check(rc.model)  # the model backend's own rules (its spec)
-        _quiet_c10d_retries(rc)
-        from qwen3_research.device import prepare_launch
+        _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
+        from qwen3_research import device as devices
+        from qwen3_research.resolve import resolve_run
 
-        prepare_launch(rc)  # LNC conflicts, nproc_per_node=-1 (auto)
-        # Under torchrun, also check the degrees against the world size it started.
-        world = int(os.environ["WORLD_SIZE"]) if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ else None
-        degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, world_size=world, **models.describe(rc.model))
-        _check_run_dir(rc, degrees, overrides)
+        # under torchrun also against the world size it started; the LNC into the environment workers inherit
+        run = resolve_run(cfg, prepare=devices.prepare_launch)
+        _check_run_dir(run, overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
 
 
-def _quiet_c10d_retries(rc) -> None:
+def _quiet_c10d_retries(nnodes) -> None:
     """A multi-node launcher waits for the other nodes at parallelism.rdzv_endpoint, and torch's TCPStore logs
     every failed try from C++ with a stack of frames (~100-200 lines for an unreachable endpoint) before
     launch reports the failed rendezvous in one line. c10 reads TORCH_CPP_LOG_LEVEL once, when torch loads:
     it is set while this process imports torch, then removed, so the workers start with the user's level."""
-    if rc.parallelism.nnodes > 1 and "torch" not in sys.modules and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+    if isinstance(nnodes, int) and nnodes > 1 and "torch" not in sys.modules and "TORCH_CPP_LOG_LEVEL" not in os.environ:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         try:
             import torch  # noqa: F401
@@ -155,13 +152,13 @@ def _quiet_c10d_retries(rc) -> None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
+def _check_run_dir(run, overrides: list[str]) -> None:
     """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
     from qwen3_research import models
-    from qwen3_research.config import resolve_batch_size
     from qwen3_research.data import Tokenizer, tokenizer_path
-    from qwen3_research.rundir import AlreadyComplete, check_run_dir
+    from qwen3_research.run.rundir import AlreadyComplete, check_run_dir
 
+    rc = run.rc
     spec = models.tokenizer_spec(rc)
     if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
         Tokenizer(tokenizer_path(spec))
@@ -169,11 +166,11 @@ def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
         return  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
     try:
         run_dir = compose(overrides, return_hydra_config=True).hydra.run.dir
-    except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.run checks later
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.elastic.run checks later
         return
     run_dir = Path(os.path.abspath(str(run_dir)))
     try:
-        check_run_dir(rc, run_dir, dp=degrees.dp, batch_size=resolve_batch_size(rc, degrees.dp))
+        check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
     except AlreadyComplete as done:
         print(str(done), flush=True)
         sys.exit(0)
@@ -181,7 +178,7 @@ def _check_run_dir(rc, degrees, overrides: list[str]) -> None:
 
     check_writable(f"hydra.run.dir={run_dir}", run_dir)  # Hydra's first write there was a traceback
     if rc.checkpoint.enable or rc.checkpoint.resume:
-        from qwen3_research.rundir import checkpoint_root
+        from qwen3_research.run.rundir import checkpoint_root
 
         root = checkpoint_root(rc, run_dir)
         check_writable(f"checkpoint.dir={root}", root)
@@ -197,7 +194,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
     from the point's overrides."""
     from omegaconf import OmegaConf
 
-    from qwen3_research.sweep import parse_overrides, swept_keys_of_this_sweep
+    from qwen3_research.launch.sweep import parse_overrides, swept_keys_of_this_sweep
 
     hc = HydraConfig.get()
     if hc.mode.name != "MULTIRUN":
@@ -216,7 +213,7 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
     from qwen3_research.errors import ExportError, TrainingError, WorkerGroupError
-    from qwen3_research.launch import run
+    from qwen3_research.launch.elastic import run
     from qwen3_research.signals import Interrupted, Terminated, signal_number
     from qwen3_research.startup import quiet_libraries
 
@@ -225,8 +222,8 @@ def _task(cfg: DictConfig):
     group, name, swept = _wandb_identity()
     multirun = hc.mode.name == "MULTIRUN"
     prediction = None
-    if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.sweep)
-        from qwen3_research.sweep import prepare_point
+    if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
+        from qwen3_research.launch.sweep import prepare_point
 
         done, prediction = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
         if done is not None:
@@ -241,12 +238,12 @@ def _task(cfg: DictConfig):
     except (Interrupted, KeyboardInterrupt, Terminated) as e:
         if multirun and slurm.job_id():
             # Preempted/requeued Slurm job: checkpoint saved; exit 128+signal without a result, so that
-            # submitit keeps waiting for the requeued job, which resumes (launch._resume_when_requeued).
+            # submitit keeps waiting for the requeued job, which resumes (launch.elastic._resume_when_requeued).
             if isinstance(e, Interrupted):
                 print(str(e), file=sys.stderr, flush=True)
             sys.exit(128 + signal_number(e))
         if multirun:  # a signal stops the whole sweep, not only this point (the point saved as a run does)
-            from qwen3_research.sweep import stop_sweep
+            from qwen3_research.launch.sweep import stop_sweep
 
             sys.exit(stop_sweep(Path(hc.sweep.dir), hc.runtime.output_dir, e))
         if isinstance(e, Interrupted):
@@ -256,7 +253,7 @@ def _task(cfg: DictConfig):
     except Exception as e:  # noqa: BLE001
         if multirun:
             # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
-            # launch.run already wrote its summary.json (status failed + reason) for the report.
+            # launch.elastic.run already wrote its summary.json (status failed + reason) for the report.
             print(f"sweep point {hc.job.num} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                   file=sys.stderr, flush=True)
             return {"status": "failed", "reason": str(e)}
@@ -293,15 +290,17 @@ def _main() -> None:
     overrides, flags = _split_argv(sys.argv[1:])
     passthrough = bool(flags)
     check_override_syntax(overrides)
+    from qwen3_research.launch.slurm import preflight as slurm_preflight
+
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
-        slurm.preflight(overrides)
+        slurm_preflight(overrides)
     except ConfigError as e:
         _die(f"config error: {e}")
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
         preflight_overrides(overrides)
     if not passthrough:
         preflight(overrides)
-        from qwen3_research.launch import torchrun_overrides, under_torchrun
+        from qwen3_research.launch.elastic import torchrun_overrides, under_torchrun
 
         if under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
             sys.argv += torchrun_overrides(overrides)

@@ -130,19 +130,13 @@ def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
     return resolve_nproc_per_node(-1, kind, resolve_lnc(None, kind))
 
 
-def prepare_launch(rc) -> int | None:
-    """Before any worker (or runtime) starts: resolve and export the LNC, resolve
-    ``nproc_per_node=-1`` in ``rc`` (the launcher's copy; workers keep -1 and resolve it to the
-    world size they were started with, so the recorded config stays as configured), and on neuron
-    give a single-process run one NeuronCore (``prepare_neuron_cores``). Returns the LNC."""
-    kind = requested_device_kind(rc.device.type)
-    lnc = resolve_lnc(rc.device.lnc, kind)
+def prepare_launch(device_type: str, lnc: int | None, world_size: int) -> None:
+    """Before any worker (or runtime) starts, with the run's resolved values (``resolve.ResolvedRun``): export
+    the LNC into the environment workers inherit, and on neuron give a single-process run one NeuronCore
+    (``prepare_neuron_cores``)."""
     export_lnc(lnc)
-    n = resolve_nproc_per_node(rc.parallelism.nproc_per_node, kind, lnc)
-    rc.parallelism.nproc_per_node = n
-    if kind == "neuron":
-        prepare_neuron_cores(n * rc.parallelism.nnodes)
-    return lnc
+    if device_type == "neuron":
+        prepare_neuron_cores(world_size)
 
 
 # -- NeuronCores a process reserves ----------------------------------------------------------------

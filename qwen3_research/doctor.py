@@ -143,7 +143,7 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     import torch
 
     from qwen3_research import device as devices
-    from qwen3_research.config import to_run_config, validate
+    from qwen3_research.config import to_run_config
 
     rc = to_run_config(cfg)
     requested = rc.device.type
@@ -187,25 +187,24 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         rows.append(Row("LNC / logical cores", f"{'LNC=' + str(lnc) + ' exported' if lnc else 'n/a'} "
                         f"(no NeuronCores: device is {kind})", "info"))
 
-    # World size and degrees.
+    # World size and degrees: the run's own start-up resolution (its kernel entries: the "kernels" row below).
+    run = None
     if device_ok:
-        try:
-            validate(rc)
-            nproc = devices.resolve_nproc_per_node(rc.parallelism.nproc_per_node, kind, lnc)
-            rc.parallelism.nproc_per_node = nproc
-            from qwen3_research import models
-            from qwen3_research.parallel import validate_degrees
+        from qwen3_research.resolve import resolve_run
 
-            d = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
+        try:
+            run = resolve_run(cfg, kernels=False)
+            d = run.degrees
             auto = " (nproc_per_node=-1: auto)" if cfg.parallelism.nproc_per_node == -1 else ""
-            rows.append(Row("world size", f"{nproc} x {rc.parallelism.nnodes} node(s) = {d.world_size}{auto}; "
+            rows.append(Row("world size", f"{run.nproc_per_node} x {rc.parallelism.nnodes} node(s) = {d.world_size}{auto}; "
                             f"{d.describe()}"))
         except ConfigError as e:
             rows.append(Row("run config", str(e).splitlines()[0], "MISSING", "fix the override named above"))
     if kind == "neuron":  # with or without TorchNeuron: the host facts say what else the first run needs
         from qwen3_research.neuron_host import host_checks
 
-        nproc = rc.parallelism.nproc_per_node if rc.parallelism.nproc_per_node != -1 else None
+        nproc = run.nproc_per_node if run is not None else (
+            rc.parallelism.nproc_per_node if rc.parallelism.nproc_per_node != -1 else None)
         rows += [Row(*c) for c in host_checks(nproc, rc.parallelism.nnodes, lnc)]
         rows.append(_titan_models_row())
 
@@ -246,11 +245,12 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         if options.get(chosen):
             rows.append(Row("kernels", f"kernels={chosen}: {options[chosen]}", "MISSING",
                             "choose one of the options that can run here (above)"))
-        elif rc.kernels.entries:  # the model's shapes too, as the run's workers check them (on a meta model here)
-            from qwen3_research.launch import check_kernels_without_device
+        elif rc.kernels.entries:  # the model's shapes too, as the run's start-up resolves them (on a meta model)
+            from qwen3_research.resolve import kernel_targets, warn_kernel_matches
 
             try:
-                check_kernels_without_device(rc)
+                _, unmatched = kernel_targets(rc, ctx["device"], lnc)
+                warn_kernel_matches(unmatched)
                 rows.append(Row("kernels", f"kernels={chosen}: the run's start-up checks pass for model.flavor="
                                 f"{rc.model.flavor}"))
             except ConfigError as e:

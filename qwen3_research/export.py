@@ -42,9 +42,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     from torch.distributed.checkpoint.api import CheckpointException
 
     from qwen3_research import device as devices
-    from qwen3_research.checkpoint import _first_line, check_model_matches, find_checkpoint, read_meta
+    from qwen3_research.run.checkpoint import _first_line, check_model_matches, find_checkpoint, read_meta
     from qwen3_research.config import to_run_config
-    from qwen3_research.train_state import model_tensors
+    from qwen3_research.run.train_state import model_tensors
 
     path = find_checkpoint(checkpoint, what="checkpoint")
     out = Path(os.path.expanduser(out_dir)).resolve()
@@ -124,7 +124,7 @@ def _use_init_from(rc, path: Path, init_from: str | None) -> None:
 def _still_there(path: Path) -> None:
     """A checkpoint that vanished while it was read (a running run prunes its older ones, checkpoint.keep)
     is named as such, not as an unreadable file."""
-    from qwen3_research.checkpoint import is_complete, list_checkpoints
+    from qwen3_research.run.checkpoint import is_complete, list_checkpoints
 
     if is_complete(path):
         return

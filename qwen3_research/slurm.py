@@ -1,23 +1,18 @@
-"""Everything Slurm: the job this process runs in, the cluster's answers, and the checks before
-``hydra/launcher=slurm`` submits anything (issue 16).
+"""The Slurm job this process runs in, and the cluster's answers about its nodes.
 
-- The job: every ``SLURM_*`` variable the package reads is read here (``job_id``, ``node_rank``,
-  ``restart_count``, ``job_nodelist``); the launcher, the rendezvous and the run-dir lock ask these.
-- The cluster: ``scontrol`` for a job's node names and addresses, and for the partitions.
-- The preflight: sbatch would refuse a partition that does not exist or more nodes than a partition has,
-  but through submitit that arrives as a multi-line traceback after Hydra has created the sweep dir.
-  Here it is one line naming the key, exit status 2, before any job or directory exists.
+Every ``SLURM_*`` variable the package reads is read here (``job_id``, ``node_rank``, ``restart_count``,
+``job_nodelist``); the launcher, the rendezvous and the run-dir lock ask these. ``scontrol`` gives a job's
+node names and addresses. The checks before ``hydra/launcher=slurm`` submits anything are the launch
+layer's (``qwen3_research.launch.slurm``).
 
-Imports only ``errors`` (and ``compose`` for the preflight), so any layer may ask it.
+Imports nothing of the package, so any layer may ask it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
-from qwen3_research.errors import ConfigError
 
 SLURM_TIMEOUT_S = 60  # no hang: a Slurm controller that does not answer fails after this
 
@@ -65,65 +60,3 @@ def head_node_endpoint(port: int) -> str:
     not collide."""
     first = node_names(job_nodelist())[0]
     return f"{node_addr(first)}:{port or 29500 + int(job_id() or 0) % 1000}"
-
-
-def uses_slurm(overrides: list[str]) -> bool:
-    return any(o.replace(" ", "") in ("hydra/launcher=slurm", "+hydra/launcher=slurm") for o in overrides)
-
-
-def partitions() -> dict[str, dict]:
-    """name -> scontrol's fields (TotalNodes, Default, State, ...)."""
-    if shutil.which("scontrol") is None:
-        raise ConfigError("hydra/launcher=slurm needs Slurm's client commands (scontrol, sbatch) on PATH; run on a "
-                          "login node of the cluster, or choose another hydra/launcher")
-    try:
-        out = subprocess.run(["scontrol", "show", "partition", "-o"], capture_output=True, text=True,
-                             timeout=SLURM_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"hydra/launcher=slurm: the Slurm controller did not answer within {SLURM_TIMEOUT_S} s "
-                          "(scontrol show partition); check `sinfo`") from None
-    if out.returncode != 0:
-        first = (out.stderr.strip().splitlines() or ["no output"])[0]
-        raise ConfigError(f"hydra/launcher=slurm: scontrol show partition failed ({first}); check `sinfo`")
-    parts = {}
-    for line in out.stdout.splitlines():
-        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        if "PartitionName" in fields:
-            parts[fields["PartitionName"]] = fields
-    return parts
-
-
-def check_request(partition: str | None, nnodes: int) -> None:
-    """The partition exists (or a default one does) and has at least ``nnodes`` nodes."""
-    parts = partitions()
-    if partition:
-        if partition not in parts:
-            raise ConfigError(f"hydra.launcher.partition={partition}: no such Slurm partition; "
-                              f"available: {', '.join(sorted(parts)) or 'none'}")
-        name = partition
-    else:
-        name = next((n for n, f in parts.items() if f.get("Default") == "YES"), None)
-        if name is None:
-            raise ConfigError("hydra.launcher.partition is not set and Slurm has no default partition; "
-                              f"set hydra.launcher.partition to one of: {', '.join(sorted(parts)) or 'none'}")
-    total = int(parts[name].get("TotalNodes", "0") or 0)
-    if nnodes > total:
-        raise ConfigError(f"parallelism.nnodes={nnodes} but Slurm partition {name} has {total} nodes; set "
-                          f"parallelism.nnodes<={total} or hydra.launcher.partition to a larger partition")
-
-
-def preflight(overrides: list[str]) -> None:
-    """Raise ConfigError when a ``hydra/launcher=slurm`` request cannot be met. Swept values are not checked."""
-    if not uses_slurm(overrides):
-        return
-    from qwen3_research.compose import compose, is_sweep_value
-
-    fixed = [o for o in overrides if not is_sweep_value(o.partition("=")[2])]
-    try:
-        cfg = compose(fixed, return_hydra_config=True)
-        partition = cfg.hydra.launcher.get("partition")
-        nnodes = int(cfg.parallelism.nnodes)
-    except Exception:  # noqa: BLE001 - a bad override is reported by Hydra itself, in each point
-        return
-    swept_nodes = any(o.split("=", 1)[0].lstrip("+~") == "parallelism.nnodes" for o in overrides if o not in fixed)
-    check_request(partition, 1 if swept_nodes else nnodes)

@@ -1,4 +1,4 @@
-"""The training recipe: build everything from one RunConfig, then loop.
+"""The training recipe: build everything from one resolved run (``resolve.ResolvedRun``), then loop.
 
 Runs in every rank. Only rank 0 writes console lines, metrics.jsonl and the W&B run;
 memory is gathered from every rank.
@@ -18,10 +18,8 @@ import torch.nn.functional as F
 
 from qwen3_research import device as devices
 from qwen3_research import parallel, startup, titan
-from qwen3_research.config import RunConfig
-
-
 from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
+from qwen3_research.resolve import ResolvedRun
 
 
 @dataclass
@@ -40,16 +38,18 @@ def dist_env() -> tuple[int, int, int]:
 
 
 class Trainer:
-    """Build everything from one RunConfig (``__init__``), then loop (``train``).
+    """Build everything from one resolved run (``__init__``), then loop (``train``).
 
     One step (``train_step``) is ``forward_backward`` per micro-batch, ``clip_gradients``, the NaN policy and
     ``optimizer_step``; the planner (``qwen3_research.plan``) traces the same methods on fake tensors. What a
-    checkpoint holds is ``self.state`` (``TrainState``).
+    checkpoint holds is ``self.state`` (``TrainState``). The run's degrees, batch size, model facts and precision
+    are the description's (``run``, resolved before any worker started); nothing here writes into its config.
     """
 
-    def __init__(self, cfg: RunConfig, info: RunInfo, resolved_config: dict):
+    def __init__(self, run: ResolvedRun, info: RunInfo):
         startup.note_trainer_built()
-        self.cfg = cfg
+        self.run = run
+        self.cfg = cfg = run.rc
         self.info = info
         self.run_dir = Path(info.run_dir)
         self.rank, local_rank, self.world_size = dist_env()
@@ -73,22 +73,13 @@ class Trainer:
         from qwen3_research import models
         from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
 
-        # Degrees (validated in the parent already; again here for torchrun starts).
-        facts = models.describe(cfg.model)
-        self.degrees = parallel.validate_degrees(
-            cfg.parallelism, seq_len=cfg.data.seq_len, world_size=self.world_size, **facts
-        )
-        # training.mixed_precision=bf16_params in one process: FSDP2 over a one-rank mesh (parallel.fsdp_on_one_process)
-        fsdp_of_one = (cfg.training.mixed_precision == "bf16_params" and not self.degrees.sharded
-                       and parallel.fsdp_on_one_process(cfg.model))
-        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type,
-                                                          single_process_mesh=facts["is_moe"] or fsdp_of_one)
+        # The degrees were checked at resolution (each torchrun rank resolves against the world it started in)
+        if self.world_size != run.world_size:
+            raise ConfigError(f"the run was resolved for {run.world_size} processes ({run.degrees.describe()}) but "
+                              f"{self.world_size} started; resolve it where it starts (resolve.resolve_run)")
+        self.degrees = run.degrees
+        self.parallel_dims = parallel.build_parallel_dims(self.degrees, device_type, single_process_mesh=run.model["is_moe"])
         self.dp_rank, self.dp_size = self._dp_coordinates()
-        from qwen3_research.config import resolve_batch_size
-
-        cfg.data.batch_size = resolve_batch_size(cfg, self.degrees.dp)
-        # W&B's config and summary.json record the value used (data.global_batch_tokens derives it).
-        resolved_config = {**resolved_config, "data": {**resolved_config.get("data", {}), "batch_size": cfg.data.batch_size}}
 
         # Data.
         self.tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
@@ -112,13 +103,12 @@ class Trainer:
         )
         self.kernel_plan = self._apply_kernels()
         self.loss_scale = 1.0  # backward sees loss × this; gradients are then summed over dp ranks
-        if self.degrees.sharded or fsdp_of_one:
+        if self.degrees.sharded:
             self.backend.parallelize(self.parallel_dims, tt)
             devices.after_sharding(self.device, self.backend.model)
             self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
-        resolved_config = self._precision_in_effect(resolved_config)
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -127,9 +117,9 @@ class Trainer:
 
         self.optimizer, self.scheduler = build_optimizer(self.backend.model, cfg.optimizer, cfg.training.steps)
         self.backend.register_optimizer_hooks(self.optimizer, self.parallel_dims)
-        from qwen3_research.checkpoint import Checkpointer
-        from qwen3_research.sinks import build_sinks
-        from qwen3_research.train_state import TrainState
+        from qwen3_research.run.checkpoint import Checkpointer
+        from qwen3_research.run.sinks import build_sinks
+        from qwen3_research.run.train_state import TrainState
 
         self.state = TrainState(self.backend.model, self.optimizer, self.scheduler, rank=self.rank)
         self.state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
@@ -139,7 +129,7 @@ class Trainer:
         )
         self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
                                  wandb_name=info.wandb_name, swept=info.swept)
-        self.resolved_config = resolved_config
+        self.resolved_config = run.config  # W&B's config and summary.json: the values used (data.batch_size resolved)
         self.build_s = time.perf_counter() - t_start
 
     # -- construction helpers ----------------------------------------------------------------

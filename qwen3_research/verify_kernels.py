@@ -18,7 +18,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from qwen3_research.compose import compose
-    from qwen3_research.config import ConfigError, to_run_config, validate
+    from qwen3_research.config import ConfigError
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # a kernel entry that matches nothing: one warning line
@@ -29,37 +29,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
-        rc = validate(to_run_config(cfg))
         from qwen3_research import device as devices
+        from qwen3_research.resolve import resolve_run, warn_kernel_matches
 
-        # The LNC goes into the environment before TorchNeuron is imported (its runtime reads it once).
-        kind = devices.requested_device_kind(rc.device.type)
-        devices.export_lnc(devices.resolve_lnc(rc.device.lnc, kind))
-        if kind == "neuron":
-            devices.prepare_neuron_cores(1)  # one process: one NeuronCore, not every core of the host
+        # The checks a run makes before any worker starts (resolve_run: the config, the backend's run checks --
+        # titan.check_supported --, the kernels' kernel_support and their targets on a meta-device model), so a
+        # kernel that cannot run here is the same one-line config error as in a run. This process builds the
+        # model next, on the run's device. The LNC goes into the environment before TorchNeuron is imported (its
+        # runtime reads it once); one process: one NeuronCore, not every core of the host.
+        run = resolve_run(cfg, builds_here=True, prepare=lambda kind, lnc, _: devices.prepare_launch(kind, lnc, 1))
+        rc = run.rc
         device_type = devices.resolve_device_type(rc.device.type)
-        if devices.validate_only():  # test hook (device.py): the checks below, on a meta-device model
-            from qwen3_research import models
-            from qwen3_research.launch import check_kernels_without_device
-
-            models.check_run(rc)
-            check_kernels_without_device(rc)
+        if devices.validate_only():  # test hook (device.py): the checks above, on a meta-device model
+            warn_kernel_matches(run.kernel_warnings)
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
         from qwen3_research import models
-        from qwen3_research.kernels import apply_overrides
+        from qwen3_research.kernels import install, resolve
         from qwen3_research.kernels.registry import KERNELS, entry_labels
         from qwen3_research.kernels.verify import verify_plan
 
-        # The checks a run makes: the backend's run checks before any worker starts (launch.run), then in
-        # the worker the overrides' own (resolve: kernel_support's device/LNC/package checks and the
-        # model's shapes), so a kernel that cannot run here is the same one-line config error as in a run.
-        models.check_run(rc)
+        # In the worker, the overrides' own checks on the model it built (what resolve_run checked on the meta
+        # device, now with the device's dtypes), then the install without kernels.verify: verified once, below.
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
-        rc.kernels.verify = False  # verify once, below
-        plan = apply_overrides(backend.model, rc, device)
+        plan = install(backend.model, resolve(backend.model, rc, device), rc, device)
         checks = verify_plan(backend.model, plan, rc, device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -52,8 +52,8 @@ class PeakSampler:
 def main() -> None:
     out, ref_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     from qwen3_research.compose import compose_resolved
-    from qwen3_research.config import to_run_config
     from qwen3_research.models import native_model as native
+    from qwen3_research.resolve import resolve_run
     from qwen3_research.trainer import RunInfo, Trainer
 
     measured = {}
@@ -69,7 +69,7 @@ def main() -> None:
     native.NativeQwen3.materialize = materialize
     resolved = compose_resolved(overrides)
     run_dir = os.path.dirname(out)
-    trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+    trainer = Trainer(resolve_run(resolved), RunInfo(run_dir=run_dir))
     ref = torch.load(ref_path, weights_only=True)
     trainer.backend.model.eval()
     with torch.no_grad():

@@ -163,8 +163,8 @@ def test_resume_with_another_model_shape_is_config_error(straight, tmp_path):
 def test_shape_check_reads_the_saved_tensors(straight):
     """Layout-independent check on the DCP metadata itself, as the Trainer runs it before loading."""
     from qwen3_research import device as devices
-    from qwen3_research.checkpoint import check_model_matches
-    from qwen3_research.train_state import model_tensors
+    from qwen3_research.run.checkpoint import check_model_matches
+    from qwen3_research.run.train_state import model_tensors
     from qwen3_research.config import ConfigError, ModelConfig
 
     devices.prepare_torchtitan("cpu")
@@ -199,9 +199,9 @@ def test_dp_shard2_export_and_resume(straight, tmp_path):
 def test_checkpointer_saves_and_resumes_a_train_state_without_a_trainer(tmp_path):
     """The checkpointer's whole input is a TrainState and its config: a plain module, AdamW and a schedule
     round-trip (weights, optimizer moments, schedule, step, progress, RNG), and meta.json records what it was given."""
-    from qwen3_research.checkpoint import Checkpointer
+    from qwen3_research.run.checkpoint import Checkpointer
     from qwen3_research.config import CheckpointConfig
-    from qwen3_research.train_state import TrainState
+    from qwen3_research.run.train_state import TrainState
 
     def state(seed: int) -> TrainState:
         torch.manual_seed(seed)

@@ -280,20 +280,17 @@ def test_user_visible_cores_with_a_worker_group_is_a_config_error(no_core_pins):
 
 
 def test_prepare_launch_pins_one_core_for_a_single_process_neuron_run(no_core_pins, monkeypatch, tmp_path):
-    """The launcher's start-up (prepare_launch) on a simulated neuron host: nproc_per_node=1 -> NEURON_RT_NUM_CORES=1
-    in the environment the run inherits; the core count asked afterwards still sees every core (64)."""
-    from qwen3_research.config import RunConfig
+    """The launcher's start-up (prepare_launch, given the resolved device, LNC and world size of
+    ``resolve.ResolvedRun``) on a simulated neuron host: one process -> NEURON_RT_NUM_CORES=1 and the LNC in the
+    environment the run inherits; the core count asked afterwards still sees every core (64)."""
     from tests.neuron_host_double import trn2_host
 
     monkeypatch.setenv("PYTHONPATH", trn2_host(tmp_path)["PYTHONPATH"])  # the torch_neuronx test double, for children
-    monkeypatch.setattr(devices, "requested_device_kind", lambda requested: "neuron")
-    monkeypatch.setenv(devices.LNC_ENV, "2")  # (prepare_launch exports it: restored after the test)
-    rc = RunConfig()
-    rc.device.type, rc.parallelism.nproc_per_node = "neuron", 1
+    monkeypatch.setenv(devices.LNC_ENV, "1")  # (prepare_launch exports it: restored after the test)
     devices.neuron_logical_core_count.cache_clear()
     try:
-        assert devices.prepare_launch(rc) == 2
-        assert os.environ[devices.NUM_CORES_ENV] == "1"
+        devices.prepare_launch("neuron", 2, 1)
+        assert os.environ[devices.LNC_ENV] == "2" and os.environ[devices.NUM_CORES_ENV] == "1"
         assert devices.neuron_logical_core_count(2) == 64  # the double counts visible cores: ours is not passed on
     finally:
         devices.neuron_logical_core_count.cache_clear()

@@ -47,7 +47,7 @@ def write_hf_checkpoint(out: Path, moe: bool, seed: int = 0, **overrides) -> Pat
 def run_in_process(overrides: list[str], run_dir: Path) -> dict:
     """One run through the launcher's real path (validate, preflight, Trainer), in this process."""
     from qwen3_research.compose import compose
-    from qwen3_research.launch import run
+    from qwen3_research.launch.elastic import run
 
     return run(compose(overrides), str(run_dir))
 

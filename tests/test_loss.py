@@ -31,11 +31,10 @@ def _compose(overrides: list[str]) -> dict:
 
 def loss_and_grads(overrides: list[str], run_dir: str) -> tuple[dict, dict]:
     """{loss kind: loss}, {loss kind: {param name: full gradient}} for one step of the real Trainer (this rank)."""
-    from qwen3_research.config import to_run_config
+    from qwen3_research.resolve import resolve_run
     from qwen3_research.trainer import RunInfo, Trainer
 
-    resolved = _compose(overrides)
-    trainer = Trainer(to_run_config(resolved), RunInfo(run_dir=run_dir), resolved)
+    trainer = Trainer(resolve_run(_compose(overrides)), RunInfo(run_dir=run_dir))
     try:
         batch = trainer.data.train_batch(0, 0, 1, trainer.dp_rank, trainer.dp_size, 0)
         losses, grads = {}, {}

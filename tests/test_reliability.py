@@ -183,7 +183,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
         assert last.startswith("error: checkpoint: cannot save step 2") and "No space left on device" in last
         assert f"the last good checkpoint {mnt}/step-00000001 is kept" in last
         assert sorted(p.name for p in mnt.iterdir()) == ["owner.json", "step-00000001"]  # partial save removed; the owner record of this run
-        from qwen3_research.checkpoint import is_complete, saved_tensor_shapes
+        from qwen3_research.run.checkpoint import is_complete, saved_tensor_shapes
 
         assert is_complete(mnt / "step-00000001") and saved_tensor_shapes(mnt / "step-00000001")
     finally:

@@ -156,7 +156,7 @@ def test_overwrite_discards_the_earlier_run(resumed, tmp_path):
 
 
 def test_a_locked_run_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
-    from qwen3_research.rundir import LOCK_NAME, RunDirLock
+    from qwen3_research.run.rundir import LOCK_NAME, RunDirLock
 
     run = tmp_path / "r"
     with RunDirLock(run):  # a live owner (this test process)
@@ -310,7 +310,7 @@ def test_ctrl_c_in_a_two_rank_run_exits_130(tmp_path, to, moment):
     """Ctrl-C reaches the whole foreground group (launcher and both workers) or only the launcher (its agent
     passes it on). start-up: the workers exist and build the Trainer (no metrics yet); training: a metrics row. (SIGINT to the
     launcher alone during training takes the agent's path of the group case; left out to save ~40 s.)"""
-    from qwen3_research.rundir import LOCK_NAME, RunDirLock
+    from qwen3_research.run.rundir import LOCK_NAME, RunDirLock
 
     run, tag = tmp_path / "r", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "qwen3_research", *QUICK, *DP2, "training.steps=50", "logging.wandb.mode=disabled",

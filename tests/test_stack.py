@@ -1,11 +1,15 @@
-"""The package as a package: the import graph (only the torchtitan adapter, qwen3_research.titan.*, imports
-torchtitan; no cycles), the adapter's two API modules, ``pip install -e . --no-deps`` on the Pythons
-torch-neuronx 2.14 supports (3.12, 3.13), and a non-editable install that runs the CLI."""
+"""The package as a package: the import graph (the layers below, top to bottom: no module imports a higher
+layer, no cycle, function-level imports counted; only the torchtitan adapter, qwen3_research.titan.*, imports
+torchtitan), ARCHITECTURE.md lists every module in its layer, the adapter's two API modules, ``pip install -e .
+--no-deps`` on the Pythons torch-neuronx 2.14 supports (3.12, 3.13), and a non-editable install that runs the
+CLI."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -69,15 +73,78 @@ def torchtitan_importers(files: dict[str, Path]) -> list[str]:
     ]
 
 
-def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
-    """Module-level import edges between the given modules."""
-    graph: dict[str, set[str]] = {m: set() for m in files}
+# The package's layers, top to bottom (ARCHITECTURE.md says what each holds). A module may import modules of its
+# own layer (without a cycle) and of the layers below it, never one above; every import statement counts, those
+# inside functions too. Lazy imports of other packages (torch, torchtitan, transformers, wandb, ...) are not
+# edges of this graph. Each pattern is an fnmatch pattern over dotted module names; every module matches one.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("entry points", ["qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor",
+                      "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare"]),
+    ("launch", ["qwen3_research.launch", "qwen3_research.launch.*"]),
+    ("recipe", ["qwen3_research.trainer", "qwen3_research.planner"]),
+    ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
+    ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
+                    "qwen3_research.kernels.*", "qwen3_research.hf_interop", "qwen3_research.hf_interop.*",
+                    "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.optim",
+                    "qwen3_research.memory", "qwen3_research.metrics", "qwen3_research.report",
+                    "qwen3_research.neuron_host"]),
+    ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.device",
+                  "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup"]),
+    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),
+]
+
+
+def layer_of(module: str) -> list[int]:
+    """Indexes (0 = top) of the layers whose patterns match ``module``: exactly one for a listed module."""
+    return [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(module, pat) for pat in patterns)]
+
+
+def edges(files: dict[str, Path], *, deferred: bool = True) -> dict[str, dict[str, int]]:
+    """importer -> {imported module of ``files``: first line}, one edge per import statement's target:
+    ``import a.b`` -> a.b; ``from a import b`` -> a.b when that is a module, else a (a name a defines).
+    ``deferred``: count imports inside functions too (the rule does); else only module-level ones.
+    Importing a submodule runs its package's ``__init__`` first, which is not an edge of its own (a package
+    importing its own modules is no cycle)."""
+    out: dict[str, dict[str, int]] = {m: {} for m in files}
     for name, p in files.items():
-        found = [mod for mod, _, at_top in imports(p, name) if at_top and mod in files and mod != name]
-        # ``from pkg import sub`` needs the module pkg.sub, not what pkg/__init__ defines after it
-        # (a package's __init__ importing its own submodules is no cycle).
-        graph[name] |= {m for m in found if not any(f.startswith(m + ".") for f in found)}
-    return graph
+        tree = ast.parse(p.read_text(), filename=str(p))
+        top = set(map(id, tree.body))
+        for node in tree.body:
+            if isinstance(node, (ast.If, ast.Try)):
+                top |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or (not deferred and id(node) not in top):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                if node.level:  # relative: from the package of this module
+                    package = name.split(".") if p.name == "__init__.py" else name.split(".")[:-1]
+                    mod = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in files else mod for a in node.names]
+            for t in targets:
+                if t in files and t != name:
+                    out[name].setdefault(t, node.lineno)
+    return out
+
+
+def import_graph(files: dict[str, Path], *, deferred: bool = True) -> dict[str, set[str]]:
+    """Import edges between the given modules (function-level ones too unless ``deferred=False``)."""
+    return {m: set(targets) for m, targets in edges(files, deferred=deferred).items()}
+
+
+def upward_edges(files: dict[str, Path]) -> list[str]:
+    """Every import of a module in a higher layer, function-level ones included, as 'a:line imports b (layer
+    x -> layer y)'."""
+    out = []
+    for name, targets in edges(files).items():
+        for target, line in sorted(targets.items()):
+            (mine,), (theirs,) = layer_of(name), layer_of(target)
+            if theirs < mine:
+                out.append(f"{name}:{line} imports {target} ({LAYERS[mine][0]} -> {LAYERS[theirs][0]}, a higher layer)")
+    return out
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[str]:
@@ -126,26 +193,68 @@ def test_titan_api_modules_provide_the_same_names():
     assert missing == {"qwen3_research.titan.v02": [], "qwen3_research.titan.v03": []} and unbound == []
 
 
-def test_no_import_cycles_between_modules():
-    """Module-level imports between qwen3_research modules form no cycle. Function-level imports are
-    not counted: they are deferred on purpose (e.g. titan -> device inside check_supported) and
-    run after both modules exist, so they cannot deadlock or see a half-initialised module."""
-    graph = import_graph(our_modules())
-    cycles = find_cycles(graph)
-    edges = sum(map(len, graph.values()))
-    print(f"\n{len(graph)} modules, {edges} module-level import edges between them, cycles: {cycles or 'none'}")
-    assert edges > 10  # the scan found the package's real imports
-    assert cycles == []
+def test_every_module_is_in_one_layer():
+    """The layer list covers the package: each module matches exactly one layer's patterns."""
+    mods = our_modules()
+    misplaced = {m: [LAYERS[i][0] for i in layer_of(m)] for m in mods if len(layer_of(m)) != 1}
+    print(f"\n{len(mods)} modules in {len(LAYERS)} layers; not in exactly one: {misplaced or 'none'}")
+    assert misplaced == {}
+
+
+def test_no_cycles_and_no_upward_imports():
+    """Every import statement between the package's modules, those inside functions included: no cycle, and no
+    module imports one of a higher layer. Prints the layers it enforces, top to bottom."""
+    mods = our_modules()
+    graph = import_graph(mods)
+    top_level = sum(map(len, import_graph(mods, deferred=False).values()))
+    cycles, upward = find_cycles(graph), upward_edges(mods)
+    print("\nlayers, top to bottom (a module imports its own layer without a cycle, or lower layers):")
+    for i, (layer, patterns) in enumerate(LAYERS):
+        print(f"  L{len(LAYERS) - i} {layer}: {', '.join(pat.removeprefix('qwen3_research.') for pat in patterns)}")
+    print(f"{len(graph)} modules, {sum(map(len, graph.values()))} import edges between them ({top_level} at module level, "
+          f"the rest inside functions); cycles: {len(cycles)}; upward imports: {len(upward)}")
+    assert top_level > 10 and sum(map(len, graph.values())) > top_level  # the scan sees both kinds
+    problems = ([f"{len(upward)} upward import(s) (a module imports one of a higher layer):", *upward] if upward else []) + (
+        [f"{len(cycles)} import cycle(s):", *cycles] if cycles else [])
+    assert not problems, "\n".join(problems)
+
+
+def test_architecture_md_lists_every_module_in_its_layer():
+    """ARCHITECTURE.md has one section per layer (``## L<n> <name>``, top to bottom, as LAYERS) and one line per
+    module (`qwen3_research/<path>.py`) in its layer's section; no module is missing, none listed is absent."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    sections = re.findall(r"^## L(\d+) (.+)$", text, flags=re.M)
+    assert [(int(n), name.strip()) for n, name in sections] == [(len(LAYERS) - i, name) for i, (name, _) in enumerate(LAYERS)]
+    listed: dict[str, int] = {}
+    for i, block in enumerate(re.split(r"^## L\d+ .+$", text, flags=re.M)[1:]):
+        for path in re.findall(r"^- `(qwen3_research/[\w/]+\.py)`", block, flags=re.M):
+            listed[module_name(ROOT / path)] = i
+    mods = our_modules()
+    missing, absent = sorted(set(mods) - set(listed)), sorted(set(listed) - set(mods))
+    wrong = {m: (LAYERS[i][0], LAYERS[layer_of(m)[0]][0]) for m, i in listed.items() if m in mods and layer_of(m) != [i]}
+    print(f"\nARCHITECTURE.md: {len(listed)} modules listed; missing: {missing or 'none'}; not in the tree: "
+          f"{absent or 'none'}; in another layer's section (listed, enforced): {wrong or 'none'}")
+    assert missing == [] and absent == [] and wrong == {}
 
 
 def test_the_scans_can_fail(tmp_path):
-    """A planted function-level torchtitan import and a planted a -> b -> a cycle are both reported."""
+    """Planted: a function-level torchtitan import, an a -> b -> a cycle made of module-level and function-level
+    imports, and a deferred upward import (config, the base layer, importing the trainer inside a function):
+    each is reported."""
     (tmp_path / "a.py").write_text("from qwen3_research import b\n")
-    (tmp_path / "b.py").write_text("import qwen3_research.a\n\ndef f():\n    from torchtitan.models import qwen3\n")
+    (tmp_path / "b.py").write_text("def g():\n    import qwen3_research.a\n\ndef f():\n    from torchtitan.models import qwen3\n")
+    (tmp_path / "config.py").write_text("def f():\n    from qwen3_research.trainer import Trainer\n")
+    (tmp_path / "trainer.py").write_text("from qwen3_research import config\n")
     files = {"qwen3_research.a": tmp_path / "a.py", "qwen3_research.b": tmp_path / "b.py"}
-    assert torchtitan_importers(files) == ["qwen3_research.b:4 imports torchtitan.models",
-                                           "qwen3_research.b:4 imports torchtitan.models.qwen3"]
+    assert torchtitan_importers(files) == ["qwen3_research.b:5 imports torchtitan.models",
+                                           "qwen3_research.b:5 imports torchtitan.models.qwen3"]
     assert find_cycles(import_graph(files)) == ["qwen3_research.a -> qwen3_research.b -> qwen3_research.a"]
+    assert find_cycles(import_graph(files, deferred=False)) == []  # what the module-level-only scan missed
+    planted = {"qwen3_research.config": tmp_path / "config.py", "qwen3_research.trainer": tmp_path / "trainer.py"}
+    assert upward_edges(planted) == ["qwen3_research.config:2 imports qwen3_research.trainer (base -> recipe, a "
+                                     "higher layer)"]
+    assert find_cycles(import_graph(planted)) == ["qwen3_research.config -> qwen3_research.trainer -> "
+                                                  "qwen3_research.config"]
 
 
 # -- pip install -e . --no-deps on Python 3.12 and 3.13 -----------------------------------------

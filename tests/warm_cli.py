@@ -5,7 +5,7 @@ Why: a cold `python -m qwen3_research` spends ~6–7 s of a 3-step CPU run impor
 transformers, datasets, hydra and W&B (measured with cProfile: 6.8 s of 10.3 s), and the suite starts about
 three hundred of them. Each test still gets its own process with the real entry point, argv, working directory,
 environment, stdout/stderr and exit status; only the third-party imports were already done before the fork,
-exactly as they are when the launcher forks its CPU workers (launch._start_method). Nothing of this package
+exactly as they are when the launcher forks its CPU workers (launch.elastic._start_method). Nothing of this package
 (qwen3_research) nor of torchtitan is imported before the fork, so their module state is fresh in every child.
 
 What is not warm (run_cli falls back to a plain subprocess):

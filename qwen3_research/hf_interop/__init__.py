@@ -6,5 +6,5 @@
 - ``preflight``: what the launcher checks before any worker starts.
 
 Imports ``errors``, ``models.registry`` (a backend's HF model_type and MoE-ness, from its spec), ``kernels``
-(which kernels replace the experts) and, lazily, ``titan``/``models``; ``checkpoint.py`` (distributed checkpoints) and ``export.py`` (the command) import this, never the reverse.
+(which kernels replace the experts) and, lazily, ``titan``/``models``; ``run/checkpoint.py`` (distributed checkpoints) and ``export.py`` (the command) import this, never the reverse.
 """

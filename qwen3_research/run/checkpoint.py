@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, write_failure
-from qwen3_research.train_state import TrainState, unwrap
+from qwen3_research.run.train_state import TrainState, unwrap
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -88,7 +88,7 @@ def find_checkpoint(spec: str, root: Path | None = None, *, what: str = "checkpo
                 return found[i]
             line = (f"warning: {what}=auto: skipping {found[i].name}: {bad}; "
                     f"{'falling back to ' + str(found[i - 1]) if i else 'no older checkpoint'}")
-            if warn and line not in _WARNED:  # once per process (checked before Hydra and again in launch.run)
+            if warn and line not in _WARNED:  # once per process (checked before Hydra and again in launch.elastic.run)
                 _WARNED.add(line)
                 print(line, file=sys.stderr, flush=True)
         return None

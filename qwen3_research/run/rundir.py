@@ -1,7 +1,7 @@
 """A run directory has one owner and one history.
 
 - ``check_run_dir``: before anything is written (in ``__main__`` before Hydra creates the directory,
-  and again in ``launch.run``), refuse a directory that is a file, is locked by a live process, already
+  and again in ``launch.elastic.run``), refuse a directory that is a file, is locked by a live process, already
   holds a run that the command does not resume (``checkpoint.resume``) or discard
   (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
   to resume is ``AlreadyComplete`` (exit 0, nothing written).
@@ -44,7 +44,7 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def checkpoint_root(rc, run_dir: Path) -> Path:
-    from qwen3_research.checkpoint import checkpoint_root as root_of
+    from qwen3_research.run.checkpoint import checkpoint_root as root_of
 
     return root_of(rc.checkpoint, run_dir)
 
@@ -61,7 +61,7 @@ def read_summary(run_dir: Path) -> dict | None:
 
 def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> None:
     """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing."""
-    from qwen3_research.checkpoint import find_checkpoint, read_meta
+    from qwen3_research.run.checkpoint import find_checkpoint, read_meta
 
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -74,7 +74,7 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
         )
     ck = rc.checkpoint
     root = checkpoint_root(rc, run_dir)
-    from qwen3_research.checkpoint import owner_conflict
+    from qwen3_research.run.checkpoint import owner_conflict
 
     why = owner_conflict(root, run_dir, resuming=bool(ck.resume))
     if why is not None:
@@ -82,7 +82,7 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
     if not ck.resume:
         existing = run_files(run_dir)
         if not root.is_relative_to(run_dir):
-            from qwen3_research.checkpoint import list_checkpoints
+            from qwen3_research.run.checkpoint import list_checkpoints
 
             existing += [str(p) for p in list_checkpoints(root)][-1:]
         if existing and not ck.overwrite:
@@ -93,7 +93,7 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
         return
     found = find_checkpoint(ck.resume, root, warn=True)
     if found is not None:  # another model first: that is the error, whatever the step
-        from qwen3_research.checkpoint import preflight
+        from qwen3_research.run.checkpoint import preflight
 
         preflight(rc, run_dir)
     summary = read_summary(run_dir)
@@ -117,7 +117,7 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
                               "(raise training.steps to train further)")
     if dp is not None and batch_size is not None:
         from qwen3_research import models
-        from qwen3_research.checkpoint import refuse_layout_change
+        from qwen3_research.run.checkpoint import refuse_layout_change
         from qwen3_research.data import _sha256, data_layout, tokenizer_path
 
         sha = _sha256(tokenizer_path(models.tokenizer_spec(rc)))
@@ -127,9 +127,9 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
 
 def discard_earlier_run(rc, run_dir: Path) -> None:
     """checkpoint.overwrite=true on a directory that holds a run: remove that run's files (under the lock)."""
-    from qwen3_research.checkpoint import list_checkpoints
+    from qwen3_research.run.checkpoint import list_checkpoints
 
-    from qwen3_research.checkpoint import owner_conflict
+    from qwen3_research.run.checkpoint import owner_conflict
 
     root = checkpoint_root(rc, run_dir)
     why = owner_conflict(root, run_dir, resuming=False)  # checked before; again here, where files are deleted

@@ -47,7 +47,7 @@ class SweepReport(Callback):
             plan_points(config, Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from qwen3_research.compare import EXIT_SOME_FAILED, find_runs, report
+        from qwen3_research.report import EXIT_SOME_FAILED, find_runs, report
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
@@ -80,7 +80,7 @@ def stop_sweep(sweep_dir: Path, point_dir: str, e: BaseException) -> int:
     ran (the stopped point marked ``interrupted`` at its step), say how to resume; return 128 + signal."""
     import signal as signals
 
-    from qwen3_research.compare import report
+    from qwen3_research.report import report
     from qwen3_research.signals import Interrupted, signal_number
 
     signum = signal_number(e)
@@ -125,7 +125,7 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
 def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry."""
     from qwen3_research.errors import ConfigError
-    from qwen3_research.plan import make_plan
+    from qwen3_research.planner import make_plan
 
     jobs = sweep_jobs(config)
     if not jobs:
@@ -186,9 +186,9 @@ def _interrupted_checkpoint(cfg: DictConfig, run_path: Path, summary: dict) -> P
     """The checkpoint an interrupted point continues from (None: it was not interrupted, or saved nothing)."""
     if summary.get("status") != "interrupted" or cfg.checkpoint.resume:
         return None
-    from qwen3_research.checkpoint import find_checkpoint
+    from qwen3_research.run.checkpoint import find_checkpoint
     from qwen3_research.errors import ConfigError
-    from qwen3_research.rundir import checkpoint_root
+    from qwen3_research.run.rundir import checkpoint_root
 
     try:
         return find_checkpoint("auto", checkpoint_root(cfg, run_path))

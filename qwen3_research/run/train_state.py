@@ -3,7 +3,7 @@
 Model, optimizer, learning-rate schedule, the step, the progress the summary reports (skipped steps,
 last losses, step timer) and this rank's random generators. ``state_dict()`` / ``load_state_dict()``
 follow torchtitan's ``Stateful`` (torch.distributed.checkpoint.stateful.Stateful); the checkpointer
-(``qwen3_research.checkpoint``) saves and loads exactly what they give. Their keys are the format on
+(``qwen3_research.run.checkpoint``) saves and loads exactly what they give. Their keys are the format on
 disk: ``model`` (parameters and persistent buffers, ``model_tensors``), ``optim``, ``scheduler``,
 ``progress``, ``rng_rank<R>``. Small non-tensor state travels as JSON bytes, so loading a checkpoint
 never unpickles our data.

@@ -1,7 +1,7 @@
 """Start a run: one process in place, or a worker group through PyTorch's elastic launcher.
 
-The parent composes and validates the config once; workers receive the resolved config
-as a plain dict and the run directory, so every rank agrees on both.
+The parent resolves the run once (``resolve.resolve_run``); workers receive that description
+(``ResolvedRun``) and the run directory, so every rank agrees on both.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qwen3_research import slurm
-from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
+from qwen3_research.config import RunConfig
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
+from qwen3_research.resolve import ResolvedRun, resolve_run, warn_kernel_matches
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.trainer import RunInfo
 
@@ -73,28 +74,28 @@ def _limit_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def worker(resolved: dict, info: dict) -> dict:
+def worker(run: ResolvedRun, info: dict) -> dict:
     """One rank's whole life: build the Trainer, train, tear down. Importable for spawn."""
     from qwen3_research.startup import quiet_libraries
     from qwen3_research.trainer import Trainer
 
     quiet_libraries()  # a spawned rank starts with Python's defaults
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    trainer = Trainer(to_run_config(resolved), RunInfo(**info), resolved)
+    trainer = Trainer(run, RunInfo(**info))
     try:
         return trainer.train()
     finally:
         trainer.close()
 
 
-def _recorded_worker(resolved: dict, info: dict) -> dict:
+def _recorded_worker(run: ResolvedRun, info: dict) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
         # SIGINT was held since the spawn (_sigint_held_for_workers); a Ctrl-C that came while this process
         # imported torch is delivered here, where it raises KeyboardInterrupt instead of a traceback.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        return record(worker)(resolved, info)
+        return record(worker)(run, info)
     except (KeyboardInterrupt, Terminated) as e:  # a signal before the training loop: exit quietly, 128 + signal
         # The agent passes the launcher's signal on as well: a second one must not interrupt the exit.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -187,7 +188,7 @@ def _start_method(rc: RunConfig) -> str:
     return "fork" if resolve_device_type(rc.device.type) == "cpu" else "spawn"
 
 
-def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
+def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -195,12 +196,13 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
 
     from qwen3_research.parallel import rendezvous
 
+    rc = run.rc
     p = rc.parallelism
     backend, endpoint, rdzv_configs = rendezvous(p)
     config = LaunchConfig(
         min_nodes=p.nnodes,
         max_nodes=p.nnodes,
-        nproc_per_node=p.nproc_per_node,
+        nproc_per_node=run.nproc_per_node,
         run_id=slurm.job_id() or uuid.uuid4().hex[:12],
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
@@ -211,7 +213,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
     )
     try:
         with _sigint_held_for_workers():
-            results = elastic_launch(config, _recorded_worker)(resolved, asdict(info))
+            results = elastic_launch(config, _recorded_worker)(run, asdict(info))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
@@ -236,7 +238,7 @@ def _elastic(resolved: dict, info: RunInfo, rc: RunConfig) -> dict:
 
 def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
     """Interrupted with the step and checkpoint the worker group saved on the signal (the newest one)."""
-    from qwen3_research.checkpoint import find_checkpoint
+    from qwen3_research.run.checkpoint import find_checkpoint
 
     root = Path(os.path.expanduser(rc.checkpoint.dir))
     found = find_checkpoint("auto", root if root.is_absolute() else Path(info.run_dir) / root)
@@ -254,63 +256,25 @@ def _is_rendezvous_failure(e: BaseException) -> bool:
 
 
 
-def check_kernels_without_device(rc: RunConfig) -> None:
-    """The kernel checks a worker makes after building its model (``kernels.resolve``: device type, LNC, packages
-    and the model's shapes, each failure a ConfigError), on the model built on the meta device: no tensor
-    memory and no device. For the QWEN3_VALIDATE_ONLY test hook (here and in verify_kernels)."""
-    if not rc.kernels.entries:
-        return
-    from types import SimpleNamespace
-
-    import torch
-
-    from qwen3_research import device as devices
-    from qwen3_research import models
-    from qwen3_research.kernels import resolve
-
-    kind = devices.requested_device_kind(rc.device.type)
-    devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
-    meta = torch.device("meta")
-    backend = models.build(rc.model, meta, seq_len=rc.data.seq_len, seed=rc.training.seed, load_init_from=False)
-    lnc = devices.resolve_lnc(rc.device.lnc, kind) or devices.LNC_DEFAULT_NEURON
-    resolve(backend.model, rc, SimpleNamespace(type=kind, lnc=lnc, torch_device=meta))
-
-
-def _resume_when_requeued(resolved: dict) -> dict:
-    """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its
-    run dir's latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
-    if slurm.restart_count() > 0 and not resolved["checkpoint"].get("resume"):
-        resolved["checkpoint"]["resume"] = "auto"
-    return resolved
-
-
 def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
         swept: dict | None = None, prediction: dict | None = None) -> dict:
-    """Validate, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import models
-    from qwen3_research.parallel import validate_degrees
-
-    from qwen3_research.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
+    """Resolve, start the workers, write ``summary.json``; raise on failure (after recording it)."""
+    from qwen3_research import device as devices
+    from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
 
     t0 = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        # training.mixed_precision=auto resolved here, so the workers, summary.json and W&B get the value used
-        resolved = _resume_when_requeued(resolve_auto_settings(OmegaConf.to_container(cfg, resolve=True)))
-        rc = validate(to_run_config(resolved))
-        models.check(rc.model)  # the model backend's own rules (its spec)
-        from qwen3_research.device import prepare_launch
-
-        prepare_launch(rc)  # LNC into the environment workers inherit; nproc_per_node=-1 resolved in rc
-        degrees = validate_degrees(rc.parallelism, seq_len=rc.data.seq_len, **models.describe(rc.model))
-        models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
-        batch_size = resolve_batch_size(rc, degrees.dp)
+        # Every start-up check, once (the workers get the description: training.mixed_precision=auto resolved
+        # here, so the workers, summary.json and W&B get the value used)
+        resolved = resolve_run(cfg, prepare=devices.prepare_launch)  # and the LNC into the environment workers inherit
+        rc = resolved.rc
         if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
             refused = True  # until this process owns the run dir, a refusal writes nothing there
             try:
-                check_run_dir(rc, run_path, dp=degrees.dp, batch_size=batch_size)
+                check_run_dir(rc, run_path, dp=resolved.degrees.dp, batch_size=resolved.batch_size)
             except AlreadyComplete as done:  # a sweep point that finished before: report it, write nothing
                 print(str(done), flush=True)
                 return read_summary(run_path) or {"status": "ok"}
@@ -319,22 +283,20 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             if rc.checkpoint.overwrite and not rc.checkpoint.resume:
                 discard_earlier_run(rc, run_path)
         if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
-            from qwen3_research.checkpoint import preflight
+            from qwen3_research.run.checkpoint import preflight
 
             preflight(rc, run_path)
-        from qwen3_research import device as devices
-
         if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
-            check_kernels_without_device(rc)  # and the kernel checks a worker makes once its model is built
+            warn_kernel_matches(resolved.kernel_warnings)  # what the workers would have warned about
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return {"status": "validated"}
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})
-        if under_torchrun() or rc.parallelism.nproc_per_node * rc.parallelism.nnodes == 1:
+        if under_torchrun() or resolved.world_size == 1:
             summary = worker(resolved, asdict(info))
         else:
-            summary = _elastic(resolved, info, rc)
+            summary = _elastic(resolved, info)
         summary = {**summary, "wall_s": time.perf_counter() - t0, **({"prediction": prediction} if prediction else {})}
         if _writes_run_files():
             _write_summary(run_path, summary)

@@ -269,7 +269,7 @@ class WandbSink(MetricSink):
     def _init(self, config: dict, mode: str):
         import wandb
 
-        from qwen3_research.rundir import wandb_state
+        from qwen3_research.run.rundir import wandb_state
 
         state = wandb_state(self.run_dir)
         self.logged_through = int(state.get("logged_through", 0))
@@ -326,7 +326,7 @@ class WandbSink(MetricSink):
             self._fail("finish", e)
             return
         if getattr(self, "last_step", 0) > self.logged_through:  # delivered: a resume must not log these again
-            from qwen3_research.rundir import wandb_state, write_wandb_state
+            from qwen3_research.run.rundir import wandb_state, write_wandb_state
 
             write_wandb_state(self.run_dir, {**wandb_state(self.run_dir), "logged_through": self.last_step})
 

@@ -1,0 +1,354 @@
+"""The memory plan's core: trace one real training step per rank role on fake tensors, the closed-form
+cross-check, and the verdict (``make_plan`` -> ``Plan``; ``render`` is its table).
+
+``python -m qwen3_research.plan`` (``qwen3_research.plan``) is the command; its help (that module's docstring)
+says what is traced and how. A sweep plans its points here before the first one starts
+(``qwen3_research.launch.sweep.plan_points``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+TIGHT_FRACTION = 0.85  # above this share of the capacity: "tight" (allocator fragmentation, runtime buffers)
+GIB = 1024**3
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    traced: dict  # category -> bytes at the traced peak (MemTracker's categories)
+    peak: int  # traced peak live tensor bytes
+    estimate: dict = field(default_factory=dict)  # closed form: category -> bytes, and "peak"
+    even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
+    kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines of this rank
+    kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
+
+
+@dataclass
+class Plan:
+    ranks: list[RankPlan]
+    capacity_gib: float
+    capacity_source: str
+    world_size: int
+    layout: str
+    tokens_per_step: int
+    flops_per_step: float
+    trace_s: float
+    mirrored: list[int] = field(default_factory=list)  # ranks not traced: same shapes as rank 0 (see make_plan)
+    planned_for: str | None = None  # the device a plan made on another host is for (device=neuron here)
+    kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+    @property
+    def verdict(self) -> str:
+        frac = self.peak_gib / self.capacity_gib
+        if frac > 1.0:
+            return "does not fit"
+        return "tight" if frac > TIGHT_FRACTION else "fits with headroom"
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != "does not fit"
+
+    def as_dict(self) -> dict:
+        """What a run records (W&B config, summary.json) and a sweep compares."""
+        return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
+                "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+
+    def per_rank_peak(self) -> dict[int, int]:
+        """Peak bytes of rank 0 and the largest rank (a mirrored rank has rank 0's)."""
+        out = {r.rank: r.peak for r in self.ranks}
+        for rank in self.mirrored:
+            out[rank] = self.ranks[0].peak
+        return dict(sorted(out.items()))
+
+
+# -- the trace ---------------------------------------------------------------------------------
+def _optimizer_state_as_after_one_step(trainer) -> None:
+    """Create the optimizer's state (AdamW's two moments per parameter) as the first step does.
+
+    Every step after the first runs its forward and backward with that state alive, so a run's peak is
+    in a steady step, not the first (for ``tiny`` the moments are 16 % of the peak). On fake tensors the
+    values do not matter: zero gradients and one untracked optimizer step give the state its real shapes,
+    dtypes and placements; the traced step is then a steady one.
+    """
+    import torch
+
+    for p in trainer.backend.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _traced_step(trainer) -> None:
+    """One step of the Trainer's own methods, as ``Trainer.train_step`` runs them: ``forward_backward`` on each
+    micro-batch of the run's data, ``clip_gradients``, ``optimizer_step``. Left out: what reads a value on the
+    host (the loss all-reduce and its ``float``, the NaN policy), which a fake tensor does not have."""
+    for batch in trainer.micro_batches(0):
+        trainer.forward_backward(batch)
+    trainer.clip_gradients()
+    trainer.optimizer_step()
+
+
+@contextlib.contextmanager
+def _as_outside_fake_mode():
+    """What a real run does on the host, or in its own fake mode, done so under the plan's fake mode too.
+
+    - The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
+      moved by ``to_empty`` when two modules share one (tied embeddings), plain meta ones can
+      (``to_empty`` under the fake mode then makes them fake CPU tensors).
+    - A device mesh (built by ``parallel.build_parallel_dims``, or concatenated by FSDP over tensor
+      parallel) reads its rank map with ``tolist`` and ``nonzero``: host work, fake mode paused.
+    - DTensor's sharding propagation runs each operator on global-shape fake tensors to learn the
+      output's shape, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a fresh mode that
+      MemTracker ignores, under the plan the plan's own mode, whose global-shape temporaries MemTracker
+      would count as this rank's memory (the optimizer's foreach ops over every parameter: 8x the
+      parameter bytes of the real peak at tp=2). It gets a fresh mode here too.
+    - ``all_gather_object`` (the Trainer gathers every rank's device facts) pickles into tensors and
+      reads their sizes back, which fake tensors do not have; the fake group has no other rank
+      either: each slot gets this rank's object.
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    from qwen3_research import parallel, titan
+
+    def unfaked(fn):
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return call
+
+    def gather_object_locally(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    patches = [(titan, "build_model", unfaked(titan.build_model)),
+               (parallel, "build_parallel_dims", unfaked(parallel.build_parallel_dims)),
+               (DeviceMesh, "__init__", unfaked(DeviceMesh.__init__)),
+               (ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                unfaked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+               (dist, "all_gather_object", gather_object_locally)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def trace_rank(run, rank: int, world: int) -> RankPlan:
+    """One training step of the real Trainer as ``rank`` of ``world``, on fake tensors; live tensor bytes.
+    ``run``: the traced variant of the resolved run (``resolve.ResolvedRun``; fake CPU tensors, nothing written)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from qwen3_research.memory import tracked
+    from qwen3_research.trainer import RunInfo, Trainer
+
+    env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    trainer = None
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if world > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _as_outside_fake_mode(), \
+                FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
+            trainer = Trainer(run, RunInfo(run_dir=run_dir))
+            _optimizer_state_as_after_one_step(trainer)
+            _, cats, peak = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
+            even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
+            kp = trainer.kernel_plan
+            lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
+                     if ln.startswith("    ") and not ln.strip().startswith("layers.")]
+            kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
+        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def evenly_sharded(model) -> bool:
+    """True when every parameter's sharded dimensions divide evenly over their mesh axes.
+
+    Then every rank holds local parameters, gradients and optimizer state of the same shapes, gets a
+    batch of the same shape (data parallel) or the same slice sizes (tensor parallel), and runs the
+    same operators: its live bytes are rank 0's at every point of the step. An uneven dimension gives
+    the last rank smaller shards (torch's Shard: ceil-sized leading shards), so both are traced.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for axis, placement in enumerate(p.placements):
+            if isinstance(placement, Shard) and p.shape[placement.dim] % p.device_mesh.size(axis):
+                return False
+    return True
+
+
+# -- the closed form ---------------------------------------------------------------------------
+def estimate(rc, degrees, facts: dict) -> dict:
+    """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
+    from qwen3_research import models
+
+    f = models.architecture(rc.model)
+    if f is None:  # a backend without a closed form (model=hf)
+        return {}
+    d, hd, h, kv, v = f.dim, f.head_dim, f.n_heads, f.n_kv_heads, f.vocab_size
+    attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
+    ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
+    layer = attn + ffn
+    total = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2) + d
+    shard = degrees.dp_shard * degrees.tp
+    params = 4 * total / shard
+    tokens = rc.data.batch_size * rc.data.seq_len
+    tp, sp = degrees.tp, degrees.sequence_parallel
+    f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
+    # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
+    # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
+    per_token_layer = 4 * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
+    ac = rc.parallelism.activation_checkpoint
+    layers_act = tokens * per_token_layer * f.n_layers
+    if ac == "full":
+        layers_act = tokens * 4 * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
+    elif ac == "selective":
+        layers_act *= 0.6
+    mp = 2 if rc.training.mixed_precision == "bf16" else 4
+    if rc.training.loss == "chunked":
+        logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
+    else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
+        logits = tokens * v * (mp + 4 + 4)
+    gathered = 2 * 4 * layer / tp if degrees.dp_shard > 1 else 0  # one layer gathered, the next prefetched
+    out = {"params": params, "grads": params, "optimizer": 2 * params, "activations": layers_act,
+           "logits and loss": logits, "fsdp gathered": gathered}
+    # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
+    # the AdamW state, created at the first step), whichever is larger.
+    out["peak"] = params + max(layers_act + logits + gathered, 3 * params)
+    return {k: int(val) for k, val in out.items()}
+
+
+# -- the whole plan ----------------------------------------------------------------------------
+def capacity(rc) -> tuple[float, str]:
+    if rc.device.memory_gib is not None:
+        return float(rc.device.memory_gib), "device.memory_gib"
+    from qwen3_research import device as devices
+
+    dtype = devices.resolve_device_type(rc.device.type)
+    return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
+
+
+def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
+    """Resolve like a run (``resolve.resolve_run``, planned for the run's device: a Trainium run checked as
+    a run would be, except that TorchNeuron is not required), then trace rank 0 and the largest rank (only
+    rank 0 when every shard is even, unless ``trace_all``)."""
+    from qwen3_research import models
+    from qwen3_research.kernels.registry import planning_for
+    from qwen3_research.resolve import resolve_run
+
+    run = resolve_run(resolved, plan=True)
+    rc, degrees = run.rc, run.degrees
+    planned = run.config["device"]["type"]
+    cap, source = capacity(rc)
+    config = run.config
+    traced = dict(config)
+    traced["device"] = {**config["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
+    traced["logging"] = {**config["logging"], "wandb": {**config["logging"]["wandb"], "mode": "disabled"},
+                         "print_config": False, "progress_bar": False}
+    traced["checkpoint"] = {**config["checkpoint"], "enable": False, "resume": None, "export_hf": False}
+    traced["compile"] = {**config["compile"], "enable": False}
+    traced["training"] = {**config["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
+    traced["model"] = {**config["model"], "init_from": None}
+    traced_run = run.with_config(traced)
+    t0 = time.perf_counter()
+    world = degrees.world_size
+    ranks = []
+    est = estimate(rc, degrees, run.model)
+    mirrored = []
+    for rank in sorted({0, world - 1}):
+        if rank and ranks[0].even_shards and not trace_all:
+            mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
+            continue
+        if planned == "neuron":  # kernels checked for, and NKI ones traced by shape as, the planned device
+            with planning_for("neuron", run.lnc):
+                rp = trace_rank(traced_run, rank, world)
+        else:
+            rp = trace_rank(traced_run, rank, world)
+        if rp.kernel_saved:
+            est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
+        rp.estimate = est
+        ranks.append(rp)
+    tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
+    flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
+    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
+                planned_for="neuron" if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+
+
+def render(plan: Plan) -> str:
+    def g(x):
+        return f"{x / GIB:8.3f}"
+
+    lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
+             f"(forward+backward); traced in {plan.trace_s:.1f} s"]
+    if plan.mirrored:
+        lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
+                     "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
+    # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
+    cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
+    head = "GiB per rank".ljust(22) + "".join(name.rjust(12) for name, _ in cols) + "closed form".rjust(13)
+    lines += [head, "-" * len(head)]
+    est = plan.ranks[0].estimate
+    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
+            ("backward temps", "backward temps"), ("buffers", "buffers")]
+    for label, key in rows:
+        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
+                     + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
+    for key in ("logits and loss", "fsdp gathered", "kernel saved"):
+        if key in est:
+            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
+    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for _, r in cols)
+                 + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
+    if plan.kernel_lines:
+        lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
+        lines += [f"  {ln}" for ln in plan.kernel_lines]
+    if plan.planned_for:
+        lines.append(f"planned for device={plan.planned_for}, which this host does not have: traced on fake CPU tensors, "
+                     "NKI kernels by their documented output shapes; nothing ran on a Neuron device")
+    lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
+                 f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
+                 f"{100 * plan.peak_gib / plan.capacity_gib:.0f} % of capacity)")
+    if not plan.fits:
+        worst = max(plan.ranks, key=lambda r: r.peak)
+        terms = sorted(worst.traced.items(), key=lambda kv: -kv[1])
+        lines.append(f"does not fit: rank {worst.rank} needs {plan.peak_gib:.2f} GiB > {plan.capacity_gib:.2f} GiB; "
+                     "largest terms: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms if v >= 0.005 * GIB))
+    return "\n".join(lines)

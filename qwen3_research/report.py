@@ -1,0 +1,261 @@
+"""The comparison of runs: a table (terminal, CSV, Markdown) and PNG plots from run directories (``report``).
+
+Numbers come from each run's own ``metrics.jsonl`` and ``summary.json``. The command is
+``python -m qwen3_research.compare``; a multirun sweep ends with the same report in its sweep directory
+(``qwen3_research.launch.sweep.SweepReport``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_SOME_FAILED = 3  # a sweep finished, but at least one point failed
+
+
+@dataclass
+class RunRecord:
+    run_dir: Path
+    name: str
+    overrides: dict[str, str]
+    status: str
+    reason: str = ""
+    rows: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.rows if r.get("loss") is not None]
+
+    def final_loss(self) -> float | None:
+        """The last training loss of a finished run; None for a point that did not finish (interrupted,
+        failed, skipped): its last loss is not a final one and must not be compared as if it were."""
+        rows = self.train_rows
+        return rows[-1]["loss"] if rows and self.status == "ok" else None
+
+    def steps_reached(self) -> str | None:
+        """'reached/planned' steps, e.g. '4/8' for a point interrupted after step 4."""
+        done = self.summary.get("steps") or self.summary.get("step") or max((r.get("step", 0) for r in self.rows), default=0)
+        planned = self.planned_steps()
+        return f"{done}/{planned}" if planned else (str(done) if done else None)
+
+    def planned_steps(self) -> int | None:
+        path = self.run_dir / ".hydra" / "config.yaml"
+        try:
+            return int((yaml.safe_load(path.read_text()) or {}).get("training", {}).get("steps"))
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return None
+
+    def best_eval_loss(self) -> float | None:
+        evals = [r["eval_loss"] for r in self.rows if r.get("eval_loss") is not None]
+        return min(evals) if evals else None
+
+    def _steady(self, key: str) -> float | None:
+        # Step 1 carries compile / warm-up time; report the steady state when there is one.
+        rows = [r for r in self.train_rows if not r.get("first_step")] or self.train_rows
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def tokens_per_s(self) -> float | None:
+        return self._steady("tokens_per_s")
+
+    def mfu(self) -> float | None:
+        return self._steady("mfu")
+
+    def peak_mem_per_rank(self) -> dict[int, float]:
+        peaks: dict[int, float] = {}
+        for r in self.train_rows:
+            for m in r.get("mem_per_rank") or []:
+                peaks[m["rank"]] = max(peaks.get(m["rank"], 0.0), m["peak_gib"])
+        return peaks
+
+
+def _read_overrides(run_dir: Path) -> dict[str, str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return {}
+    out = {}
+    for item in yaml.safe_load(path.read_text()) or []:
+        key, _, value = str(item).partition("=")
+        key = key.lstrip("+~")
+        if key.startswith("hydra.") or key in ("logging.wandb.mode",):
+            continue
+        out[key] = value
+    return out
+
+
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """metrics.jsonl's records, and what is wrong with the file (None: nothing). A last line that is not JSON
+    was cut short by a killed run and is left out; any other line must be a UTF-8 JSON object with a step."""
+    lines = path.read_bytes().splitlines()
+    rows = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return rows, f"{path} line {i + 1} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # cut by a kill
+            return rows, f"{path} line {i + 1} is not JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            return rows, f"{path} line {i + 1} is not a metrics record (a JSON object with an integer step)"
+        rows.append(row)
+    return rows, None
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    metrics = run_dir / "metrics.jsonl"
+    rows, problem = read_metrics(metrics) if metrics.is_file() else ([], None)
+    status = summary.get("status") or ("running or killed" if rows else "no result")
+    reason = summary.get("reason", "")
+    last = max((r["step"] for r in rows), default=0)  # the last step is always logged
+    if problem is None and status == "ok" and isinstance(summary.get("steps"), int) and last < summary["steps"]:
+        problem = (f"{metrics} ends at step {last} but summary.json has {summary['steps']} steps (a truncated or "
+                   "replaced file): its last loss is not the run's final loss")
+    if problem is not None:  # never "ok" beside numbers the file cannot back
+        print(f"warning: {problem}; {run_dir.name} is reported as unreadable", file=sys.stderr, flush=True)
+        status, reason = "unreadable", problem
+    return RunRecord(run_dir, run_dir.name, _read_overrides(run_dir), status, reason, rows, summary)
+
+
+def find_runs(paths: list[Path]) -> list[RunRecord]:
+    runs: list[RunRecord] = []
+    for p in paths:
+        if (p / ".hydra").is_dir() or (p / "summary.json").is_file():
+            runs.append(load_run(p))
+        else:
+            subdirs = sorted((d for d in p.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())),
+                             key=lambda d: (int(d.name.split("_")[0]) if d.name.split("_")[0].isdigit() else 1 << 30, d.name))
+            runs.extend(load_run(d) for d in subdirs)
+    return runs
+
+
+def swept_keys(runs: list[RunRecord]) -> list[str]:
+    keys: list[str] = []
+    for r in runs:
+        for k in r.overrides:
+            if k not in keys:
+                keys.append(k)
+    if len(runs) > 1:
+        keys = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
+    return keys
+
+
+def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
+    keys = swept_keys(runs)
+    header = ["run", *keys, "steps", "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank",
+              "predicted_peak_gib", "measured_live_peak_gib", "status"]
+    body = []
+    for r in runs:
+        peaks = r.peak_mem_per_rank()
+        body.append([
+            r.name, *[r.overrides.get(k, "") for k in keys],
+            r.steps_reached(), r.final_loss(), r.best_eval_loss(), r.tokens_per_s(), r.mfu(),
+            " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) if peaks else None,
+            (r.summary.get("prediction") or {}).get("predicted_peak_gib"),
+            max(r.summary["peak_live_bytes_per_rank"]) / 1024**3 if r.summary.get("peak_live_bytes_per_rank") else None,
+            r.status if r.status in ("ok", "interrupted") else f"{r.status}: {r.reason}".rstrip(": "),
+        ])
+    return header, body
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def render_text(header: list[str], body: list[list[Any]]) -> str:
+    cells = [header] + [[_cell(v) for v in row] for row in body]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown(header: list[str], body: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_cell(v).replace("|", "/") for v in row) + " |" for row in body]
+    return "\n".join(out) + "\n"
+
+
+def plot(runs: list[RunRecord], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in runs:
+        rows = r.train_rows
+        if rows:
+            ax.plot([x["step"] for x in rows], [x["loss"] for x in rows], label=r.name, marker="." if len(rows) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("loss vs step")
+    if any(r.train_rows for r in runs):
+        ax.legend(fontsize=7)
+    path = out_dir / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+    ok = [r for r in runs if r.train_rows]
+    labels = [" ".join(f"{k.split('.')[-1]}={r.overrides.get(k, '')}" for k in swept_keys(runs)) or r.name for r in ok]
+    # A run's label can be all its overrides (paths included): too long for the axis, tight_layout gives up with a warning.
+    labels = [lb if len(lb) <= 48 else lb[:47] + "…" for lb in labels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ax1.bar(range(len(ok)), [r.tokens_per_s() or 0 for r in ok], color="tab:blue")
+    ax1.set_ylabel("tokens/s (median of steady steps)")
+    ax1.set_title("throughput")
+    peaks = [max(r.peak_mem_per_rank().values(), default=0.0) for r in ok]
+    ax2.bar(range(len(ok)), peaks, color="tab:orange")
+    ax2.set_ylabel("peak memory, largest rank (GiB)")
+    ax2.set_title("memory")
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(ok)))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "throughput_memory.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def report(paths: list[Path], out_dir: Path, *, echo=print) -> list[RunRecord]:
+    runs = find_runs(paths)
+    if not runs:
+        raise SystemExit(f"compare: no run directories under {', '.join(map(str, paths))}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header, body = table(runs)
+    with open(out_dir / "comparison.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows([["" if v is None else v for v in row] for row in body])
+    (out_dir / "comparison.md").write_text(render_markdown(header, body))
+    pngs = plot(runs, out_dir)
+    echo(render_text(header, body))
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: kv[0] != "ok"))
+    echo(f"{tally}; report: {out_dir / 'comparison.md'}, "
+         f"{out_dir / 'comparison.csv'}, " + ", ".join(str(p) for p in pngs))
+    return runs

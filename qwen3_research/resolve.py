@@ -1,0 +1,241 @@
+"""One start-up resolution: a composed config -> a frozen, fully resolved run description (``ResolvedRun``).
+
+Every entry point asks ``resolve_run`` before it starts anything -- the CLI's preflight (``__main__``), the
+launcher (``launch.elastic.run``; each rank under torchrun), the planner (``planner.make_plan``), the doctor,
+``verify_kernels`` -- and the Trainer receives its result (worker processes get it with the run dir), so all of
+them refuse the same configurations with the same one line, in the same order:
+
+1. the config: ``config.validate``, after the auto settings are resolved (``training.mixed_precision=auto``:
+   bf16 on neuron, none elsewhere; ``checkpoint.resume=auto`` for a Slurm job started again after requeue);
+2. the model backend's own rules (``models.check``) and facts (``models.describe``: heads, experts);
+3. the device: its type, the LNC, ``parallelism.nproc_per_node=-1`` (every device of the host);
+4. the parallel degrees (``parallel.validate_degrees``; under torchrun against the world it started) and the
+   per-rank batch size (``data.global_batch_tokens``);
+5. what the installed torchtitan cannot run (``models.check_run``: ``titan.check_supported`` for the native
+   backends);
+6. the kernel plan: what each entry needs of this host (``kernels.kernel_support``: device, LNC, environment,
+   packages; recorded), and the targets matched on the run's model built on the meta device (``kernels.resolve``:
+   module types, two entries on one module, the requirements above and dtypes, the sequence-length multiple, each
+   kernel's own shape checks; refused as a worker would refuse them), so a bad kernel target fails before any
+   worker starts. An entry that matches nothing is a warning, as in a run.
+
+Nothing mutates the composed config afterwards. The resolved values live in the description: ``config`` (the
+plain dict the workers get and summary.json and W&B record) and ``rc`` (the same, typed) carry
+``data.batch_size`` and ``training.mixed_precision`` as resolved; ``parallelism.nproc_per_node`` stays as
+configured there (a torchrun rank resolves -1 to the world it was started with) and is resolved in
+``nproc_per_node`` and ``degrees``. The resolution changes nothing in the process environment itself; a caller
+that starts the run hands it ``device.prepare_launch`` (the LNC, the NeuronCores a one-process run reserves), which
+it calls once the device facts are resolved, before any check that may import the device's runtime.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
+from qwen3_research.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run as it will start: the config with every auto setting resolved, and what start-up derived from it.
+
+    Read-only: ``config`` and ``rc`` are shared with whoever holds the description (the launcher, an in-process
+    worker, the planner's trace); nothing writes into them (tests/test_plan.py checks the planner and the Trainer).
+    """
+
+    config: dict  # the resolved config as a plain dict: what workers build from, summary.json and W&B record
+    rc: RunConfig  # ``config`` typed (validated)
+    device_type: str  # cpu | cuda | neuron: the device the run uses (a plan: the device it is planned for)
+    lnc: int | None  # the logical NeuronCore config (None off neuron unless set)
+    nproc_per_node: int  # parallelism.nproc_per_node with -1 (auto) resolved
+    degrees: Any  # parallel.Degrees: world size, dp_replicate, dp_shard, tp, ep, sequence_parallel
+    model: dict  # models.describe: n_heads, n_kv_heads, num_experts, is_moe
+    kernel_support: tuple[str, ...] = ()  # kernels.kernel_support: what an entry needs that this host lacks
+    # Entry label -> module FQNs on the model built on the meta device (kernels.resolve); None when the entries are
+    # resolved by the Trainer in this process instead (the model is built next here, on an accelerator), {} when the
+    # run has no kernel entries.
+    kernel_targets: dict[str, tuple[str, ...]] | None = field(default_factory=dict)
+    kernel_warnings: tuple[str, ...] = ()  # entries that match no module (a run's workers warn about them)
+    planned_elsewhere: bool = False  # a plan for a device this host does not have (device=neuron here)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per data-parallel rank per micro-batch (``data.global_batch_tokens`` resolved)."""
+        return self.rc.data.batch_size
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.rc.training.mixed_precision
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world_size
+
+    def with_config(self, config: dict) -> "ResolvedRun":
+        """This resolution over ``config``, a variant of ``self.config`` that changes none of the resolved facts
+        (the planner's trace: fake CPU tensors, no sinks, no checkpoints). Nothing is checked again."""
+        return dataclasses.replace(self, config=config, rc=to_run_config(config))
+
+
+def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kernels: bool = True,
+                builds_here: bool | None = None, prepare: Callable[[str, int | None, int], None] | None = None
+                ) -> ResolvedRun:
+    """Resolve and check a composed config (a Hydra DictConfig, its plain dict, or a RunConfig) as the run
+    would start; every failure is one ConfigError line.
+
+    - ``plan``: a plan of the run made on this host (the planner): a device this host does not have
+      (``device=neuron`` without TorchNeuron) is checked as planned -- the config as on CPU, the kernels for
+      the planned device and LNC (``kernels.registry.planning_for``), ``device.memory_gib`` required, no
+      torchtitan device check (it needs the device).
+    - ``kernels``: resolve the kernel entries too (the doctor asks for them separately, ``kernel_targets``).
+    - ``builds_here``: this process builds the run's model next, on the run's device (``verify_kernels``);
+      None: when the run is one process here or a torchrun rank (the CLI and the launcher). The meta-device
+      check then runs only on CPU: torchtitan reads the device it is for once, when it is first imported.
+    - ``prepare(device_type, lnc, world_size)``: what starting the run changes in this process's environment
+      (``device.prepare_launch``), called once those are resolved and before the torchtitan and kernel checks,
+      which may import the device's runtime (TorchNeuron reads the LNC once).
+    """
+    from qwen3_research import device as devices
+    from qwen3_research import models
+    from qwen3_research.parallel import validate_degrees
+
+    config = _resolved_dict(cfg)
+    planned = config.get("device", {}).get("type", "auto")
+    elsewhere = plan and planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None
+    # A plan for Trainium on a host without TorchNeuron: checked as a run would be, on CPU.
+    checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
+    rc = validate(to_run_config(checked))
+    if elsewhere and rc.device.memory_gib is None:
+        raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
+                          "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
+    models.check(rc.model)  # the model backend's own rules (its spec)
+    facts = models.describe(rc.model)
+
+    kind = "neuron" if elsewhere else devices.requested_device_kind(rc.device.type)
+    lnc = devices.resolve_lnc(rc.device.lnc, kind)
+    p = rc.parallelism
+    if elsewhere:  # the host's own count stands in for the planned host's (nothing to ask here)
+        nproc = devices.host_nproc_per_node(None, p.nnodes) if p.nproc_per_node == -1 else p.nproc_per_node
+    else:
+        nproc = devices.resolve_nproc_per_node(p.nproc_per_node, kind, lnc)
+    degrees = validate_degrees(dataclasses.replace(p, nproc_per_node=nproc), seq_len=rc.data.seq_len,
+                               world_size=_torchrun_world_size(), **facts)
+    batch_size = resolve_batch_size(rc, degrees.dp)
+    config = {**config, "data": {**config["data"], "batch_size": batch_size}}
+    rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
+    if prepare is not None:
+        prepare(kind, lnc, degrees.world_size)
+    if not elsewhere:
+        models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
+
+    support, targets, caught = (), {}, ()
+    if kernels and rc.kernels.entries:
+        if not elsewhere:  # the packages a kernel imports are the planned host's business
+            support = tuple(kernel_support_here(rc, kind, lnc))
+        if builds_here is None:
+            builds_here = _torchrun_world_size() is not None or degrees.world_size == 1
+        if builds_here and kind != "cpu" and not devices.validate_only():
+            targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
+        else:
+            targets, caught = kernel_targets(rc, kind, lnc, planning=plan and planned == "neuron")
+    return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
+                       nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
+                       kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere)
+
+
+def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:
+    """``kernels.kernel_support`` for the run's entries on its device: what each needs that this host lacks."""
+    from qwen3_research.kernels import kernel_support
+
+    return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
+
+
+def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning: bool = False
+                   ) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
+    """The kernel entries resolved as a worker resolves them once its model is built (``kernels.resolve``: device
+    type, LNC, packages, the model's module types and shapes; each failure a ConfigError), on the model built on
+    the meta device: no tensor memory, no device. Returns (entry label -> module FQNs, the no-match warnings).
+
+    torchtitan is pinned to CPU for the build (it reads its device once, at import): call it where this process
+    builds no model for an accelerator afterwards (``resolve_run`` decides). The warnings are returned, not
+    printed: a run's workers print them when they resolve the entries on their own model; whoever builds no model
+    afterwards shows them with ``warn_kernel_matches``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qwen3_research import device as devices
+    from qwen3_research import models
+    from qwen3_research.kernels import KernelMatchWarning, resolve
+    from qwen3_research.kernels.registry import planning_for
+
+    devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
+    meta = torch.device("meta")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KernelMatchWarning)
+        backend = models.build(rc.model, meta, seq_len=rc.data.seq_len, seed=rc.training.seed, load_init_from=False)
+        device = SimpleNamespace(type=device_type, lnc=lnc or devices.LNC_DEFAULT_NEURON, torch_device=meta)
+        if planning:  # checked for, and shaped as, the planned device (the planner traces the same way)
+            with planning_for(device_type, lnc):
+                plan = resolve(backend.model, rc, device)
+        else:
+            plan = resolve(backend.model, rc, device)
+    matches = tuple(str(w.message) for w in caught if issubclass(w.category, KernelMatchWarning))
+    for w in caught:  # anything else the build warned about is shown as it would have been
+        if not issubclass(w.category, KernelMatchWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return {label: tuple(fqns) for label, fqns in plan.items()}, matches
+
+
+def warn_kernel_matches(messages) -> None:
+    """Show the no-match warnings of a resolution (``kernel_warnings``) where no worker will resolve the entries
+    again (the validate-only hook, the doctor)."""
+    from qwen3_research.kernels import KernelMatchWarning
+
+    for msg in messages:
+        warnings.warn(msg, KernelMatchWarning, stacklevel=2)
+
+
+def _resolved_dict(cfg: DictConfig | dict | RunConfig) -> dict:
+    """The config as a plain dict with every interpolation and auto setting resolved (no ``hydra`` node)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(cfg, RunConfig):
+        cfg = OmegaConf.to_container(OmegaConf.structured(cfg))
+    elif isinstance(cfg, DictConfig):
+        try:  # as to_run_config words it: an interpolation loop or a missing key is one line
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException:
+            to_run_config(cfg)  # raises the ConfigError
+            raise
+    else:
+        cfg = copy.deepcopy(cfg)  # the caller's dict is never written
+    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    return _resume_when_requeued(resolve_auto_settings(cfg))
+
+
+def _resume_when_requeued(resolved: dict) -> dict:
+    """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its run dir's
+    latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
+    from qwen3_research import slurm
+
+    ck = resolved.get("checkpoint") or {}
+    if slurm.restart_count() > 0 and not ck.get("resume"):
+        return {**resolved, "checkpoint": {**ck, "resume": "auto"}}
+    return resolved
+
+
+def _torchrun_world_size() -> int | None:
+    """The world torchrun started (each rank resolves against it), None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
