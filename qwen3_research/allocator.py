@@ -88,8 +88,8 @@ def mimalloc_loaded() -> bool:
 
 def _device_kind_from_argv(argv: list[str]) -> str:
     """The device the command will run on, as far as its command line and the host tell before torch is imported:
-    ``device=X`` / ``device.type=X`` (the last one), else what ``startup.device_kind_before_torch`` sees."""
-    from qwen3_research.startup import device_kind_before_torch
+    ``device=X`` / ``device.type=X`` (the last one), else what ``host.device_kind_before_torch`` sees."""
+    from qwen3_research.host import device_kind_before_torch
 
     kind = "auto"
     for a in argv:

@@ -269,7 +269,7 @@ def auto_mixed_precision(device_type: str) -> str:
 def auto_loss(device_type: str) -> str:
     """training.loss=auto: chunked on cpu, where it was measured faster than the full loss with the same losses
     (benchmarks/RESULTS.md); full on cuda and neuron, where it has not been measured (README, "Config reference")."""
-    from qwen3_research.startup import device_kind_before_torch
+    from qwen3_research.host import device_kind_before_torch
 
     return "chunked" if device_kind_before_torch(device_type) == "cpu" else "full"
 

@@ -69,25 +69,6 @@ def quiet_libraries() -> None:
                 handler.addFilter(_LibraryInfoOffConsole())
 
 
-def device_kind_before_torch(requested: str) -> str:
-    """The device a run with ``device.type=requested`` will use, as far as the host tells without importing torch
-    (torch.cuda.is_available() in a launching parent would spoil the CUDA state of workers forked from it): auto is
-    neuron where TorchNeuron is installed, cuda where the NVIDIA driver lists a GPU (and CUDA_VISIBLE_DEVICES does
-    not hide them all), else cpu. For defaults chosen per device (allocator.py, config.auto_loss)."""
-    if requested != "auto":
-        return requested
-    import importlib.util
-
-    if importlib.util.find_spec("torch_neuronx") is not None:
-        return "neuron"
-    try:
-        if os.listdir("/proc/driver/nvidia/gpus") and os.environ.get("CUDA_VISIBLE_DEVICES", "0") not in ("", "-1"):
-            return "cuda"
-    except OSError:
-        pass
-    return "cpu"
-
-
 # Set once a Trainer is built in this process (a single-process run, a sweep point run in-process, a plan's
 # fake-tensor trace): autograd may have started its threads here, and then a forked child cannot use autograd
 # (torch refuses: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). The launcher spawns worker groups

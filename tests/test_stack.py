@@ -89,8 +89,9 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.memory", "qwen3_research.metrics", "qwen3_research.report",
                     "qwen3_research.neuron_host"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.device",
-                  "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup"]),
-    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),
+                  "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
+                  "qwen3_research.allocator"]),
+    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors", "qwen3_research.host"]),
 ]
 
 
