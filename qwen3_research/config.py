@@ -153,10 +153,10 @@ class TrainingConfig:
     eval_every: int = 20  # 0 disables evaluation
     eval_batches: int = 2
     grad_accum: int = 1
-    # none | bf16 (autocast, float32 parameters and optimizer state, in every layout) | bf16_params (torchtitan's and
-    # AWS's: FSDP2 gathers bf16 copies of the float32 parameters for forward/backward, reduces gradients in float32;
-    # parallel.py) | auto: bf16_params on neuron (AWS's Trainium recipes), none elsewhere; resolved once at start-up
-    # (resolve_auto_settings)
+    # none | bf16: sharded layouts as torchtitan and AWS's recipes (FSDP2 gathers bf16 copies of the float32
+    # parameters for forward/backward, reduces gradients in float32, float32 AdamW state: parallel.py), one process
+    # autocast over float32 parameters | auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere; resolved once
+    # at start-up (resolve_auto_settings)
     mixed_precision: str = "auto"
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
@@ -263,7 +263,7 @@ def resolve_auto_settings(resolved: dict) -> dict:
 
 
 def auto_mixed_precision(device_type: str) -> str:
-    return "bf16_params" if runs_on_neuron(device_type) else "none"
+    return "bf16" if runs_on_neuron(device_type) else "none"
 
 
 def auto_loss(device_type: str) -> str:
@@ -435,7 +435,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("training.eval_every", t.eval_every, allow_zero=True)
     _positive("training.eval_batches", t.eval_batches)
     _positive("training.grad_accum", t.grad_accum)
-    _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16", "bf16_params"})
+    _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
     _choice("training.loss", t.loss, {"full", "chunked"})
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)

@@ -109,6 +109,9 @@ class Trainer:
             self.loss_scale = parallel.sum_gradients_over_dp(self.backend.model, self.degrees)
         else:
             self.backend.finalize_single(tt)
+        # bf16 with FSDP2 bf16 parameters: no autocast on top (torchtitan 0.2.2's maybe_enable_amp does the same)
+        self.precision = self._precision_mode()
+        self.autocast = "bf16" if self.precision["mode"] == "autocast_bf16" else "none"
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -134,21 +137,21 @@ class Trainer:
 
     # -- construction helpers ----------------------------------------------------------------
     def _compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.training.mixed_precision in ("bf16", "bf16_params") else torch.float32
+        return torch.bfloat16 if self.cfg.training.mixed_precision == "bf16" else torch.float32
 
-    def _precision_in_effect(self, resolved_config: dict) -> dict:
-        """bf16_params where no FSDP unit casts the parameters (torchtitan 0.2.x without dp_shard > 1, a backend
-        without FSDP in this layout): autocast bf16 instead, as torchtitan 0.2.2's own trainer does there
-        (``maybe_enable_amp``), said in one line; summary.json and W&B record the value used."""
-        t = self.cfg.training
-        if t.mixed_precision != "bf16_params" or parallel.bf16_params_in_effect(self.backend.model):
-            return resolved_config
-        t.mixed_precision = "bf16"
-        if self.is_main:
-            print(f"note: training.mixed_precision=bf16_params: no FSDP unit casts the parameters in this layout "
-                  f"({self.degrees.describe()}, torchtitan {titan.version()}); autocast bf16 (training.mixed_precision"
-                  "=bf16) instead, as torchtitan does without FSDP", file=sys.stderr, flush=True)
-        return {**resolved_config, "training": {**resolved_config.get("training", {}), "mixed_precision": "bf16"}}
+    def _precision_mode(self) -> dict:
+        """How ``training.mixed_precision`` is carried out in this layout, read from the built model: bf16 where FSDP2
+        units gather bfloat16 copies of float32 parameters and reduce gradients in float32 (torchtitan's policy: any
+        sharded layout whose backend wraps FSDP2 units, tp included on torchtitan 0.3.x), else autocast (one process,
+        or no FSDP unit: torchtitan 0.2.x without dp_shard > 1, as its own ``maybe_enable_amp``), or float32."""
+        policy = parallel.fsdp_precision(self.backend.model)
+        master = str(next(iter(self.backend.model.parameters())).dtype).replace("torch.", "")
+        if self.cfg.training.mixed_precision != "bf16":
+            return {"mode": "float32", "master_dtype": master}
+        if policy is not None and policy[0] == "bfloat16":
+            return {"mode": "fsdp2_bf16_params", "param_dtype": policy[0], "reduce_dtype": policy[1],
+                    "master_dtype": master}
+        return {"mode": "autocast_bf16", "master_dtype": master}
 
     def _gather(self, row: dict) -> list[dict]:
         if self.world_size == 1:
@@ -195,9 +198,9 @@ class Trainer:
         if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
             from qwen3_research.loss import lm_loss
 
-            with self.device.autocast(self.cfg.training.mixed_precision):
+            with self.device.autocast(self.autocast):
                 return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens)
-        with self.device.autocast(self.cfg.training.mixed_precision):
+        with self.device.autocast(self.autocast):
             logits = self.backend.forward(inputs)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
             logits = logits.full_tensor()
@@ -312,6 +315,7 @@ class Trainer:
             "train_samples": len(self.data.train),
             "val_samples": len(self.data.val),
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
+            "precision": self.precision,  # how it is carried out here (_precision_mode)
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
         }
 
@@ -374,12 +378,13 @@ class Trainer:
         summary = {
             "status": "ok", "steps": state.step, "skipped_steps": state.skipped_steps, "final_loss": state.final_loss,
             "final_eval_loss": state.final_eval_loss, "batch_size": cfg.data.batch_size,
-            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision,
+            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision, "precision": self.precision,
             "first_step_s": state.timer.first_step_s, "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
         }
         if peak_live_bytes:
             summary["peak_live_bytes_per_rank"] = peak_live_bytes
-            summary["peak_live_categories_per_rank"] = peak_categories  # bytes by plan category at each rank's peak
+            # bytes by plan category at each rank's peak, and each category's largest over the step
+            summary["live_categories_per_rank"] = peak_categories
         self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 

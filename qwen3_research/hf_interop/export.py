@@ -377,12 +377,9 @@ def held_out_inputs(data) -> torch.Tensor:
 
 
 def compute_dtype(cfg, backend) -> str:
-    """float32, or bfloat16 where the model computes in it: FSDP's bf16 parameters (training.mixed_precision=
-    bf16_params), torchtitan's MoE experts (no fp32 expert kernel installed)."""
+    """float32, or bfloat16 where torchtitan's MoE experts run (no fp32 expert kernel installed)."""
     from qwen3_research.kernels import kernel_replaces
 
-    if cfg.training.mixed_precision == "bf16_params":
-        return "bfloat16"
     if not getattr(backend, "is_moe", False):
         return "float32"
     for entry in cfg.kernels.entries or []:

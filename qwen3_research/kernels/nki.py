@@ -487,7 +487,7 @@ def _moe_check(module, options, cfg, device, where):
     if B not in MOE_BLOCK_SIZES:
         errors.append(f"{where}: options.block_size={B} is not taken by both NKI Library MoE kernels (moe_cte: a "
                       f"multiple of 256 in 256..1024; blockwise_mm_bwd: 128, 256, 512 or 1024); use one of {list(MOE_BLOCK_SIZES)}")
-    if cfg.training.mixed_precision not in ("bf16", "bf16_params"):
+    if cfg.training.mixed_precision != "bf16":
         errors.append(f"{where}: the NKI Library MoE kernels take bfloat16/float16 only (moe_cte, blockwise_mm_bwd "
                       "'Supported Data Types'); this run computes in float32: set training.mixed_precision=bf16")
     if not (512 <= H <= 8192 and H % 512 == 0):
