@@ -170,7 +170,10 @@ class TrainingConfig:
 
 @dataclass
 class SweepConfig:
-    plan: bool = True  # multirun: plan every point (qwen3_research.plan) before the first one starts
+    # multirun: plan every point (qwen3_research.plan) before the first one starts; fit: a point predicted not to fit
+    # runs as its cheapest fitting variant instead (qwen3_research.fit; the swept keys stay as swept), recorded in
+    # plan.json, the point's summary.json and W&B config (memory_plan.adjusted) and the report's "adjusted" column
+    plan: Any = True  # true | false | fit
     skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
     resume: bool = True  # a point whose summary.json in the same sweep dir says ok is not run again
 
@@ -438,6 +441,8 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
     _choice("training.loss", t.loss, {"full", "chunked"})
+    if cfg.sweep.plan not in (True, False, "fit"):
+        raise ConfigError(f"sweep.plan={cfg.sweep.plan!r} is not one of true, false, fit")
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
     if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:
         raise ConfigError(
