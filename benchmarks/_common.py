@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from qwen3_research import allocator  # noqa: E402  (standard library only)
+
+# The CPU allocator a run of the CLI gets (issue 24), before torch is imported: the bare loops compared with the
+# Trainer run in this same process, so both have it (QWEN3_CPU_ALLOCATOR=system measures glibc as it comes).
+allocator.ensure_script()
+
 from qwen3_research import device as devices  # noqa: E402  (light: torch + config only)
 
 devices.prepare_torchtitan(devices.resolve_device_type("auto"))

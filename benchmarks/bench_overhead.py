@@ -37,6 +37,7 @@ def main(argv=None) -> dict:
     trainer = C.build_trainer([
         f"model={args.backend}", f"model.flavor={args.flavor}", f"data.seq_len={args.seq_len}",
         f"data.batch_size={args.batch_size}", f"training.steps={total}", "training.log_every=1",
+        "training.loss=full",  # the bare loop's loss (the CPU default is chunked since issue 24)
     ])
     bare = C.BareLoop(args.backend, args.flavor, args.seq_len, seed=trainer.cfg.training.seed,
                       lr=trainer.cfg.optimizer.lr, weight_decay=trainer.cfg.optimizer.weight_decay,

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
-    from qwen3_research import startup
+    from qwen3_research import allocator, startup
 
+    allocator.ensure("qwen3_research")  # first: may re-exec this command with mimalloc preloaded (allocator.py)
     startup.exit_at_once_while_importing("before training started; nothing was written")
 
 import hydra  # noqa: E402

@@ -169,12 +169,17 @@ class TrainingConfig:
     eval_every: int = 20  # 0 disables evaluation
     eval_batches: int = 2
     grad_accum: int = 1
-    # none | bf16 (autocast, float32 parameters and optimizer state, in every layout) | auto: bf16 on neuron (AWS's
-    # Trainium recipes train in bf16), none elsewhere; resolved once at start-up (resolve_auto_settings)
+    # none | bf16: sharded layouts as torchtitan and AWS's recipes (FSDP2 gathers bf16 copies of the float32
+    # parameters for forward/backward, reduces gradients in float32, float32 AdamW state: parallel.py), one process
+    # autocast over float32 parameters | auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere; resolved once
+    # at start-up (resolve_auto_settings)
     mixed_precision: str = "auto"
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
-    loss: str = "full"  # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss)
+    # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss) | auto: chunked on cpu
+    # (measured: faster and smaller, the same losses; benchmarks/RESULTS.md), full on cuda and neuron (not measured
+    # there); resolved once at start-up (resolve_auto_settings)
+    loss: str = "auto"
     loss_chunk_tokens: int = 1024  # training.loss=chunked: tokens per chunk (logits alive: this × vocab floats)
     track_memory: bool = False  # record the peak live tensor bytes per rank (torch's MemTracker) in summary.json
 
@@ -193,7 +198,10 @@ class ProfilingConfig:
 
 @dataclass
 class SweepConfig:
-    plan: bool = True  # multirun: plan every point (qwen3_research.plan) before the first one starts
+    # multirun: plan every point (qwen3_research.plan) before the first one starts; fit: a point predicted not to fit
+    # runs as its cheapest fitting variant instead (qwen3_research.fit; the swept keys stay as swept), recorded in
+    # plan.json, the point's summary.json and W&B config (memory_plan.adjusted) and the report's "adjusted" column
+    plan: Any = True  # true | false | fit
     skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
     resume: bool = True  # a point whose summary.json in the same sweep dir says ok is not run again
 
@@ -275,14 +283,27 @@ def resolve_auto_settings(resolved: dict) -> dict:
     and W&B record the resolved value. A config option writes only its own section, so device=neuron cannot set
     this itself (tests/test_config.py::test_group_options_extend_their_schema)."""
     training = resolved.get("training", {})
-    if not isinstance(training, dict) or training.get("mixed_precision", "auto") != "auto":  # absent: the default
+    if not isinstance(training, dict):
         return resolved
-    value = auto_mixed_precision((resolved.get("device") or {}).get("type", "auto"))
-    return {**resolved, "training": {**training, "mixed_precision": value}}
+    device_type = (resolved.get("device") or {}).get("type", "auto")
+    changed = {}
+    if training.get("mixed_precision", "auto") == "auto":  # absent: the default
+        changed["mixed_precision"] = auto_mixed_precision(device_type)
+    if training.get("loss", "auto") == "auto":
+        changed["loss"] = auto_loss(device_type)
+    return {**resolved, "training": {**training, **changed}} if changed else resolved
 
 
 def auto_mixed_precision(device_type: str) -> str:
     return "bf16" if runs_on_neuron(device_type) else "none"
+
+
+def auto_loss(device_type: str) -> str:
+    """training.loss=auto: chunked on cpu, where it was measured faster than the full loss with the same losses
+    (benchmarks/RESULTS.md); full on cuda and neuron, where it has not been measured (README, "Config reference")."""
+    from qwen3_research.host import device_kind_before_torch
+
+    return "chunked" if device_kind_before_torch(device_type) == "cpu" else "full"
 
 
 def resolve_batch_size(cfg: RunConfig, dp: int) -> int:
@@ -366,6 +387,8 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         cfg = OmegaConf.to_object(cfg)
     if cfg.training.mixed_precision == "auto":  # not through to_run_config (a RunConfig built in code)
         cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
+    if cfg.training.loss == "auto":
+        cfg.training.loss = auto_loss(cfg.device.type)
 
     # One rule for every number: NaN and inf pass the comparisons below (nan <= 0 is False) and then fail
     # deep in a run, or not at all (weight_decay=nan trained into NaN weights). No key takes inf.
@@ -452,6 +475,8 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
     _choice("training.loss", t.loss, {"full", "chunked"})
+    if cfg.sweep.plan not in (True, False, "fit"):
+        raise ConfigError(f"sweep.plan={cfg.sweep.plan!r} is not one of true, false, fit")
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
     _validate_profiling(cfg.profiling, t.steps, cfg.device.type)
     if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:

@@ -60,25 +60,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 e = min(s + chunk, n)
                 h = hidden[s:e]
                 logits = torch.matmul(h, weight.t()).float()
-                lse = torch.logsumexp(logits, dim=1)
                 target = logits.gather(1, local[s:e, None]).squeeze(1) * hit[s:e]
+                # log-sum-exp with one exp pass, in place: exp(logits - row max) stays in the logits' buffer and is
+                # the unnormalised softmax the gradient needs (torch.logsumexp allocates a temporary of the chunk's
+                # size and exponentiates it, and the gradient then exponentiated the logits a second time).
+                peak = logits.amax(dim=1)
+                probs = logits.sub_(peak[:, None]).exp_()
+                lse = peak + torch.log(probs.sum(dim=1))
                 if group is not None:  # vocabulary-parallel: combine the per-shard log-sum-exps and targets
-                    peak = lse.clone()
-                    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-                    sums = torch.exp(lse - peak)
+                    top = lse.clone()
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+                    sums = torch.exp(lse - top)
                     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-                    lse = peak + torch.log(sums)
+                    lse = top + torch.log(sums)
                     dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
                 total += ((lse - target) * weigh[s:e]).sum()
                 if need_grad:  # d loss / d logits = (softmax - onehot) × valid / count, in place of the logits
-                    g = logits.sub_(lse[:, None]).exp_()
-                    g.scatter_add_(1, local[s:e, None], -hit[s:e, None])
-                    g.mul_(weigh[s:e, None])
+                    # softmax = exp(logits - peak) · exp(peak - lse): one scaling pass, with the token weights
+                    g = probs.mul_((torch.exp(peak - lse) * weigh[s:e])[:, None])
+                    g.scatter_add_(1, local[s:e, None], -(hit[s:e] * weigh[s:e])[:, None])
                     gh = g.to(hidden.dtype) if hidden.dtype != torch.float32 else g
                     grad_hidden[s:e] = torch.matmul(gh, weight.to(gh.dtype))
                     grad_weight.addmm_(g.t(), h.float())
                     del g, gh
-                del logits
+                del logits, probs
         if need_grad and group is not None:  # each tp rank holds the contribution of its vocabulary slice
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=group)
         if need_grad:

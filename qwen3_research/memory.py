@@ -54,6 +54,12 @@ def peak_tracker():
 
         def _update_peak_stats(self, peak_state) -> None:
             for dev, dev_snap in self._curr_mem_snap.items():
+                # Each category's own largest value over the step too: FSDP's gathered parameters peak at a
+                # point where the whole rank may not (the plan and the run compare them: tests/test_precision.py).
+                top = self.__dict__.setdefault("category_max", {})
+                for key, value in dev_snap.items():
+                    if key != _TOTAL_KEY and value > top.get(key, 0):
+                        top[key] = value
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(dev_snap)  # ints: a shallow copy is upstream's deepcopy
@@ -63,24 +69,31 @@ def peak_tracker():
 
 def tracked(step_fn, model, optimizer) -> tuple:
     """``step_fn()`` under the peak tracker, with ``model`` and ``optimizer`` as known owners of their tensors:
-    (its result, bytes per category at the peak, peak bytes)."""
+    (its result, bytes per category at the peak, peak bytes, each category's largest bytes over the step)."""
     tracker = peak_tracker()
     tracker.track_external(model, optimizer)
     with tracker:
         result = step_fn()
-    return (result, *_snapshot_bytes(tracker))
+    top = getattr(tracker, "category_max", {})
+    most = {name: int(top.get(key, 0) or top.get(_enum_key(key), 0)) for key, name in _CATEGORIES}
+    return (result, *_snapshot_bytes(tracker), most)
 
 
-def track_step(step_fn, model, optimizer, world_size: int = 1):
+def track_step(step_fn, model, optimizer, world_size: int = 1, categories: list | None = None):
     """Run ``step_fn`` (one training step) under the peak tracker; return (its result, peak bytes per rank).
 
-    Collective when the run has several ranks (every rank calls it at the same step).
+    Collective when the run has several ranks (every rank calls it at the same step). ``categories``: a list that
+    receives, per rank, ``{"at_peak": bytes by category at that rank's peak (the rows qwen3_research.plan prints),
+    "max": each category's largest bytes over the step}``.
     """
     import torch
 
-    result, _, peak = tracked(step_fn, model, optimizer)
-    peaks = [peak]
+    result, cats, peak, most = tracked(step_fn, model, optimizer)
+    mine = (peak, {"at_peak": cats, "max": most})
+    rows = [mine]
     if world_size > 1:
-        peaks = [None] * world_size
-        torch.distributed.all_gather_object(peaks, peak)
-    return result, peaks
+        rows = [None] * world_size
+        torch.distributed.all_gather_object(rows, mine)
+    if categories is not None:
+        categories[:] = [c for _, c in rows]
+    return result, [p for p, _ in rows]

@@ -209,15 +209,33 @@ def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bo
 def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compile_cfg, mixed_precision: str, run_dir: str):
     """The torchtitan config objects ``parallelize_qwen3`` reads.
 
-    ``training.mixed_precision=bf16`` has one meaning in every layout: autocast (``Device.autocast``) with
-    float32 parameters, gradients and optimizer state. FSDP therefore keeps float32 parameters (no
-    ``param_dtype=bfloat16`` policy), so a sweep across layouts compares like with like."""
+    ``training.mixed_precision=bf16`` where the layout shards is torchtitan's own default and AWS's Trainium
+    recipes: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (torchtitan's
+    ``mixed_precision_param`` / ``mixed_precision_reduce``), i.e. bf16 copies of the parameters gathered for forward
+    and backward (half the gathered bytes and all-gather volume), float32 master weights, gradients reduced and kept
+    in float32, float32 AdamW state; no autocast (``Trainer._precision_mode``). One process keeps autocast over
+    float32 parameters."""
     from qwen3_research import titan
 
     return titan.training_configs(
         d, activation_checkpoint=activation_checkpoint, compile_backend=compile_cfg.backend or "inductor",
-        mixed_precision="none", run_dir=run_dir,
+        mixed_precision=mixed_precision, run_dir=run_dir,
     )
+
+
+def fsdp_precision(model) -> tuple[str, str] | None:
+    """(param_dtype, reduce_dtype) of the MixedPrecisionPolicy of ``model``'s FSDP2 units, None without FSDP2 units
+    (a policy dtype of None, i.e. the parameter's own, is reported as float32)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                mp = group.mp_policy
+                return tuple(str(d).replace("torch.", "") if d is not None else "float32"
+                             for d in (mp.param_dtype, mp.reduce_dtype))
+    return None
 
 
 def sum_gradients_over_dp(model, degrees: Degrees) -> float:

@@ -29,6 +29,11 @@ NKI kernels are traced by their documented output shapes (``kernels.nki.shape_ba
 keep for backward is in the traced peak, and each kernel's own terms (padding, saved activations) are
 printed under the table. Nothing runs on, or claims to have run on, a Neuron device.
 
+``--fit`` searches the knobs a user would turn (micro-batch with gradient accumulation keeping the global batch,
+activation checkpointing, chunked loss, bf16, tensor parallel degree with sequence parallel) and prints the few
+variants that fit, cheapest predicted step first, each as the whole command line; exit 0 with suggestions, 4 when
+nothing fits (naming the term that dominates). How it searches and ranks: ``qwen3_research.fit``.
+
 ``--json`` adds one JSON line after the table. Exit status: 0 fits (with headroom, or tight: peak above
 85 % of the capacity), 4 does not fit (then the largest terms, largest first), 2 configuration error
 (the same one line as a run), 1 the trace itself failed.
@@ -64,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     as_json = "--json" in argv  # also one JSON line (per-rank bytes) after the table, for scripts
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
-    argv = [a for a in argv if a not in ("--json", "--trace-all-roles")]
+    fit = "--fit" in argv  # search the variants that fit (qwen3_research.fit)
+    argv = [a for a in argv if a not in ("--json", "--trace-all-roles", "--fit")]
+    if fit:
+        return _fit(argv, as_json)
     try:
         plan = make_plan(compose_resolved(argv), trace_all=trace_all)
     except ConfigError as e:
@@ -76,9 +84,33 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": plan.per_rank_peak(), "mirrored_ranks": plan.mirrored,
                           "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
+                          "per_rank_param_shard_bytes": {r.rank: r.param_shards for r in plan.ranks},
+                          "per_rank_params_max_bytes": {r.rank: r.params_max for r in plan.ranks},
                           "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
                           "flops_per_step": plan.flops_per_step}), flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def _fit(argv: list[str], as_json: bool) -> int:
+    from qwen3_research import fit
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.errors import ConfigError
+
+    try:
+        result = fit.search(compose_resolved(argv), frozen=fit.explicit_keys(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(fit.render(result, argv), flush=True)
+    if as_json:
+        import json
+
+        print(json.dumps({"fits": [{"overrides": fit.replace_overrides(argv, c.changes), "changes": c.changes,
+                                    "predicted_peak_gib": round(c.plan.peak_gib, 4), "compute_s": c.compute_s,
+                                    "comm_bytes": c.comm_bytes} for c in result.fits],
+                          "considered": result.considered, "traced": result.traced, "wall_s": result.wall_s,
+                          "dominant": result.dominant}), flush=True)
+    return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT
 
 
 if __name__ == "__main__":

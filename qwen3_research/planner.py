@@ -28,6 +28,8 @@ class RankPlan:
     even_shards: bool = False  # every sharded parameter dimension divides evenly over its mesh axis
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines of this rank
     kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
+    param_shards: int | None = None  # this rank's own (sharded) parameter bytes; traced params − this = gathered
+    params_max: int | None = None  # the largest parameter bytes over the step (shards + FSDP's gathered copies)
 
 
 @dataclass
@@ -178,13 +180,17 @@ def trace_rank(run, rank: int, world: int) -> RankPlan:
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(run, RunInfo(run_dir=run_dir))
             _optimizer_state_as_after_one_step(trainer)
-            _, cats, peak = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
+            _, cats, peak, most = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
             even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
             kp = trainer.kernel_plan
             lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
                      if ln.startswith("    ") and not ln.strip().startswith("layers.")]
             kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
-        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved))
+            from qwen3_research.parallel import state_bytes
+
+            shards = state_bytes(trainer.backend.model)["params"]
+        return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved),
+                        param_shards=int(shards), params_max=most["params"])
     finally:
         if trainer is not None:
             trainer.close()
@@ -236,11 +242,15 @@ def estimate(rc, degrees, facts: dict) -> dict:
     f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
     # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
     # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
-    per_token_layer = 4 * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
+    # FSDP2 under training.mixed_precision=bf16 (parallel.torchtitan_training_configs): bf16 parameter copies, so
+    # bf16 activations too; one process (autocast) keeps float32 activations at the block boundaries.
+    bf16_params = rc.training.mixed_precision == "bf16" and degrees.sharded
+    s_a = 2 if bf16_params else 4
+    per_token_layer = s_a * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
     ac = rc.parallelism.activation_checkpoint
     layers_act = tokens * per_token_layer * f.n_layers
     if ac == "full":
-        layers_act = tokens * 4 * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
+        layers_act = tokens * s_a * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
     elif ac == "selective":
         layers_act *= 0.6
     mp = 2 if rc.training.mixed_precision == "bf16" else 4
@@ -248,7 +258,12 @@ def estimate(rc, degrees, facts: dict) -> dict:
         logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
     else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
         logits = tokens * v * (mp + 4 + 4)
-    gathered = 2 * 4 * layer / tp if degrees.dp_shard > 1 else 0  # one layer gathered, the next prefetched
+    # FSDP: one block gathered and the next prefetched, plus the root unit (embeddings, norm, lm_head), which stays
+    # gathered from its forward to its backward; bf16 copies under bf16 (fp32 shards), whose backward also casts a
+    # block's gradients into an fp32 reduce-scatter input (torch's _fsdp_collectives.foreach_reduce).
+    s_p = 2 if bf16_params else 4
+    root = v * d * (1 if f.tie_embeddings else 2) + d
+    gathered = (s_p * (2 * layer + root) + (4 * layer if bf16_params else 0)) / tp if degrees.dp_shard > 1 else 0
     out = {"params": params, "grads": params, "optimizer": 2 * params, "activations": layers_act,
            "logits and loss": logits, "fsdp gathered": gathered}
     # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
@@ -332,6 +347,11 @@ def render(plan: Plan) -> str:
     for label, key in rows:
         lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
                      + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
+        if key == "params" and any(r.param_shards is not None and (r.params_max or 0) > r.param_shards
+                                   for _, r in cols):  # FSDP's gathered copies (bf16 under mixed_precision=bf16)
+            lines.append("  most gathered".ljust(22)
+                         + "".join(g((r.params_max or 0) - (r.param_shards or 0)).rjust(12) for _, r in cols)
+                         + "-".rjust(13))
     for key in ("logits and loss", "fsdp gathered", "kernel saved"):
         if key in est:
             lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))

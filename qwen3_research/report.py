@@ -157,6 +157,9 @@ def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
     keys = swept_keys(runs)
     header = ["run", *keys, "steps", "final_loss", "best_eval_loss", "tokens_per_s", "mfu", "peak_mem_gib_per_rank",
               "predicted_peak_gib", "measured_live_peak_gib", "status"]
+    adjusted = any((r.summary.get("prediction") or {}).get("adjusted") for r in runs)
+    if adjusted:  # sweep.plan=fit changed a point to make it fit: what it changed
+        header.insert(header.index("status"), "adjusted")
     body = []
     for r in runs:
         peaks = r.peak_mem_per_rank()
@@ -166,6 +169,8 @@ def table(runs: list[RunRecord]) -> tuple[list[str], list[list[Any]]]:
             " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) if peaks else None,
             (r.summary.get("prediction") or {}).get("predicted_peak_gib"),
             max(r.summary["peak_live_bytes_per_rank"]) / 1024**3 if r.summary.get("peak_live_bytes_per_rank") else None,
+            *([" ".join(f"{k}={old}->{new}" for k, (old, new) in ((r.summary.get("prediction") or {}).get("adjusted")
+                                                                  or {}).items()) or None] if adjusted else []),
             r.status if r.status in ("ok", "interrupted") else f"{r.status}: {r.reason}".rstrip(": "),
         ])
     return header, body

@@ -6,7 +6,8 @@ launcher (``launch.elastic.run``; each rank under torchrun), the planner (``plan
 them refuse the same configurations with the same one line, in the same order:
 
 1. the config: ``config.validate``, after the auto settings are resolved (``training.mixed_precision=auto``:
-   bf16 on neuron, none elsewhere; ``checkpoint.resume=auto`` for a Slurm job started again after requeue);
+   bf16 on neuron, none elsewhere; ``training.loss=auto``: chunked on cpu, full on cuda and neuron;
+   ``checkpoint.resume=auto`` for a Slurm job started again after requeue);
 2. the model backend's own rules (``models.check``) and facts (``models.describe``: heads, experts);
 3. the device: its type, the LNC, ``parallelism.nproc_per_node=-1`` (every device of the host);
 4. the parallel degrees (``parallel.validate_degrees``; under torchrun against the world it started) and the

@@ -65,7 +65,10 @@ class Trainer:
             torch.distributed.init_process_group(backend=self.device.dist_backend)
         # After the process group (on neuron it starts the runtime on this rank's core): every rank's
         # device, LNC and environment as the worker sees them, for summary.json.
-        self.device_facts = self._gather(self.device.facts(self._compute_dtype()))
+        from qwen3_research import allocator
+
+        self.device_facts = self._gather({**self.device.facts(self._compute_dtype()), "cpu_allocator": allocator.status(),
+                                          "spawned": allocator.started_by_spawn()})  # as this rank observes them
 
         from qwen3_research import models
         from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
@@ -110,6 +113,9 @@ class Trainer:
 
         # MoE: routing statistics and the auxiliary loss, from hooks on the routers (None: dense, or nothing asked)
         self.routing = RoutingMonitor.attach(self.backend, cfg.model.moe, self.device.torch_device)
+        # bf16 with FSDP2 bf16 parameters: no autocast on top (torchtitan 0.2.2's maybe_enable_amp does the same)
+        self.precision = self._precision_mode()
+        self.autocast = "bf16" if self.precision["mode"] == "autocast_bf16" else "none"
         if cfg.compile.enable:
             backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
             self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
@@ -140,6 +146,20 @@ class Trainer:
     # -- construction helpers ----------------------------------------------------------------
     def _compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.cfg.training.mixed_precision == "bf16" else torch.float32
+
+    def _precision_mode(self) -> dict:
+        """How ``training.mixed_precision`` is carried out in this layout, read from the built model: bf16 where FSDP2
+        units gather bfloat16 copies of float32 parameters and reduce gradients in float32 (torchtitan's policy: any
+        sharded layout whose backend wraps FSDP2 units, tp included on torchtitan 0.3.x), else autocast (one process,
+        or no FSDP unit: torchtitan 0.2.x without dp_shard > 1, as its own ``maybe_enable_amp``), or float32."""
+        policy = parallel.fsdp_precision(self.backend.model)
+        master = str(next(iter(self.backend.model.parameters())).dtype).replace("torch.", "")
+        if self.cfg.training.mixed_precision != "bf16":
+            return {"mode": "float32", "master_dtype": master}
+        if policy is not None and policy[0] == "bfloat16":
+            return {"mode": "fsdp2_bf16_params", "param_dtype": policy[0], "reduce_dtype": policy[1],
+                    "master_dtype": master}
+        return {"mode": "autocast_bf16", "master_dtype": master}
 
     def _gather(self, row: dict) -> list[dict]:
         if self.world_size == 1:
@@ -187,9 +207,9 @@ class Trainer:
         if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
             from qwen3_research.loss import lm_loss
 
-            with self.device.autocast(self.cfg.training.mixed_precision):
+            with self.device.autocast(self.autocast):
                 return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens, positions)
-        with self.device.autocast(self.cfg.training.mixed_precision):
+        with self.device.autocast(self.autocast):
             logits = self.backend.forward(inputs) if positions is None else self.backend.forward(inputs, positions=positions)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
             logits = logits.full_tensor()
@@ -309,6 +329,7 @@ class Trainer:
             "train_samples": len(self.data.train),
             "val_samples": len(self.data.val),
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
+            "precision": self.precision,  # how it is carried out here (_precision_mode)
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
             **(self.routing.summary() if self.routing is not None else {}),
         }
@@ -322,7 +343,7 @@ class Trainer:
         self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
         peak = self.device.peak_flops(self._compute_dtype())
-        peak_live_bytes = None
+        peak_live_bytes, peak_categories = None, []
         self.backend.model.train()
         from qwen3_research.signals import Interrupted, StopOnSignal
 
@@ -339,7 +360,7 @@ class Trainer:
                         from qwen3_research.memory import track_step
 
                         (loss, grad_norm), peak_live_bytes = track_step(self.train_step, self.backend.model,
-                                                                        self.optimizer, self.world_size)
+                                                                        self.optimizer, self.world_size, peak_categories)
                     else:
                         loss, grad_norm = self.train_step()
                     self.device.synchronize()
@@ -392,11 +413,13 @@ class Trainer:
         summary = {
             "status": "ok", "steps": state.step, "skipped_steps": state.skipped_steps, "final_loss": state.final_loss,
             "final_eval_loss": state.final_eval_loss, "batch_size": cfg.data.batch_size,
-            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision,
+            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision, "precision": self.precision,
             "first_step_s": state.timer.first_step_s, "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
         }
         if peak_live_bytes:
             summary["peak_live_bytes_per_rank"] = peak_live_bytes
+            # bytes by plan category at each rank's peak, and each category's largest over the step
+            summary["live_categories_per_rank"] = peak_categories
         self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 

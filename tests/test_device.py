@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qwen3_research import device as devices
-from qwen3_research import titan
+from qwen3_research import allocator, titan
 from qwen3_research.errors import ConfigError
 from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
 
@@ -23,8 +23,10 @@ GIB = 1024**3
 @pytest.mark.slow
 def test_lnc_reaches_every_worker_environment(tmp_path):
     """device.lnc=1 with 2 CPU worker processes: both ranks read NEURON_LOGICAL_NC_CONFIG=1 from
-    their own os.environ (recorded by each worker into summary.json device_facts)."""
-    env = cli_env()
+    their own os.environ (recorded by each worker into summary.json device_facts). The same run checks the
+    allocator's off switch: QWEN3_CPU_ALLOCATOR=system gives both workers glibc as it comes (asked of glibc in the
+    worker), even when the process that starts the command had mimalloc preloaded (the warm test server)."""
+    env = cli_env(**{allocator.ENV: "system"})
     env.pop(devices.LNC_ENV, None)  # the parent shell has no LNC: only device.lnc can put it there
     proc = run_cli([*FAST, "training.steps=1", "device.lnc=1", "parallelism.nproc_per_node=2",
                     "parallelism.dp_shard=2"], run_dir=tmp_path / "run", env=env)
@@ -33,6 +35,8 @@ def test_lnc_reaches_every_worker_environment(tmp_path):
     assert [f["rank"] for f in facts] == [0, 1]  # two worker processes reported
     assert [f[devices.LNC_ENV] for f in facts] == ["1", "1"]
     assert [f["lnc"] for f in facts] == [1, 1]
+    print("workers' allocator (QWEN3_CPU_ALLOCATOR=system):", [f["cpu_allocator"] for f in facts])
+    assert [f["cpu_allocator"] for f in facts] == ["glibc default (large blocks mmapped)"] * 2
 
 
 def test_lnc_conflicting_with_environment_is_refused(tmp_path):

@@ -7,6 +7,7 @@ with data.batch_size=2B sees the same samples as dp=2 ranks with data.batch_size
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from qwen3_research import models
 from qwen3_research.compose import CONF_DIR
 from qwen3_research.config import ConfigError, ParallelismConfig, RunConfig, register_configs
 from qwen3_research.parallel import validate_degrees
+from tests.test_allocator import expected_in_workers
 from tests.conftest import ROOT, assert_ok, cli_env, read_metrics, run_cli, train_losses
 
 register_configs()
@@ -239,6 +241,11 @@ def test_torchrun_fsdp_parity_memory_and_one_run_dir(dense_single, tmp_path):
     print(f"params+grads+optimizer bytes: single {single:,}; dp_shard=2 per rank {per_rank} -> "
           f"{[round(r, 4) for r in ratios]} of single (limit 0.55)")
     assert all(r <= 0.55 for r in ratios)
+    # Each torchrun worker is its own `python -m qwen3_research`: it set up the CPU allocator itself (issue 24),
+    # as it reports from inside (tests/test_allocator.py::expected_in_workers).
+    facts = json.loads((run_dir / "summary.json").read_text())["device_facts"]
+    print("workers' allocator:", [(f["rank"], f["cpu_allocator"]) for f in facts])
+    assert [f["cpu_allocator"] for f in facts] == [expected_in_workers()] * 2
 
 
 @pytest.mark.slow

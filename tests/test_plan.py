@@ -56,6 +56,58 @@ def test_8b_on_one_24_gib_rank_does_not_fit():
     terms = re.findall(r"([a-z ]+) ([0-9.]+) GiB", line.split("largest terms: ")[1])
     sizes = [float(v) for _, v in terms]
     assert sizes == sorted(sizes, reverse=True) and terms[0][0].strip() == "optimizer" and sizes[0] > 55, terms
+    # --fit: no variant of one rank fits (issue 24 acceptance d); exit 4 naming the dominant term
+    fit = _plan(["model.flavor=8B", "parallelism=single", "device.memory_gib=24", "--fit"], timeout=900)
+    print(fit.stdout.strip())
+    assert fit.returncode == 4, fit.stdout[-2000:] + fit.stderr[-3000:]
+    assert "fit: nothing fits in 24.00 GiB per rank" in fit.stdout
+    assert "float32 parameters + gradients + AdamW state alone are 122.1 GiB per rank" in fit.stdout
+
+
+@pytest.mark.slow
+def test_fit_suggestions_each_fit_when_planned_alone():
+    """`plan --fit` on 2 ranks (tiny at seq 512, the full loss frozen, 1.5 GiB per rank: micro-batch 4 needs ~4 GiB of
+    logits): every suggested line, planned on its own as a user would paste it, fits; the global batch is kept."""
+    base = [*QUICK_NO_SEQ_BATCH, "data.seq_len=512", "parallelism=fsdp", "device.memory_gib=1.5", "training.loss=full"]
+    proc = _plan([*base, "--fit", "--json"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    fits = _json_line(proc)["fits"]
+    assert 1 <= len(fits) <= 3
+    for f in fits:
+        assert "training.loss" not in f["changes"]  # set on the command line: frozen
+        alone = _plan([*f["overrides"], "--json"])
+        assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+        data = _json_line(alone)
+        print(" ".join(f["overrides"][len(base):]) or "(as given)", "->", data["predicted_peak_gib"], "GiB")
+        assert data["verdict"] != "does not fit" and data["tokens_per_step"] == 4 * 512 * 2  # batch 4 x dp 2
+
+
+@pytest.mark.slow
+def test_sweep_plan_fit_runs_an_infeasible_point_as_its_fitting_variant(tmp_path):
+    """sweep.plan=fit: tiny at seq 256 with the default micro-batch 4 and the full loss needs ~1.9 GiB; in 1 GiB the
+    point runs with a smaller micro-batch and gradient accumulation (same sequences per step); plan.json, the point's
+    summary.json, its W&B config and the report name the change."""
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cli(["-m", *QUICK_NO_SEQ_BATCH, "training.steps=1", "data.seq_len=256", "device.memory_gib=1",
+                    "training.loss=full", "sweep.plan=fit", "logging.wandb.mode=offline", f"hydra.sweep.dir={sweep_dir}"],
+                   timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    (point,) = _point_dirs(sweep_dir)
+    summary = json.loads((point / "summary.json").read_text())
+    adjusted = summary["prediction"]["adjusted"]
+    assert summary["status"] == "ok" and adjusted["data.batch_size"][0] == 4 and adjusted["data.batch_size"][1] < 4
+    b, g = adjusted["data.batch_size"][1], adjusted["training.grad_accum"][1]
+    assert b * g == 4 and summary["batch_size"] == b and summary["global_batch_tokens"] == 4 * 256
+    assert "adjusted to fit" in proc.stdout
+    cfg = next(r for r in wandb_records(point) if r["type"] == "run")["run"]["config"]["update"]
+    assert cfg["memory_plan"]["adjusted"] == adjusted and cfg["data"]["batch_size"] == b
+    import csv
+
+    with open(sweep_dir / "comparison.csv") as fh:
+        (row,) = list(csv.DictReader(fh))
+    assert row["adjusted"] == f"data.batch_size=4->{b} training.grad_accum=1->{g}" and row["status"] == "ok"
 
 
 @pytest.mark.parametrize("bad", [["parallelism.tp=3"], ["device.memory_gib=0"], ["device.memory_gib=-1"]])
@@ -101,6 +153,7 @@ def test_uneven_shards_trace_the_last_rank_too():
 
 
 NO_SEQ = [a for a in QUICK if not a.startswith("data.seq_len")]  # the sweeps below choose seq_len
+QUICK_NO_SEQ_BATCH = [a for a in NO_SEQ if not a.startswith("data.batch_size")]  # --fit may change the batch
 
 
 def _sweep(args: list[str], sweep_dir: Path, **kw) -> subprocess.CompletedProcess:
@@ -115,7 +168,8 @@ def _point_dirs(sweep_dir: Path) -> list[Path]:
 def test_sweep_skips_a_point_predicted_not_to_fit(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # tiny at seq 32 x 2: ~0.3 GiB live; at seq 1024 x 2 the full-vocabulary logits alone are ~2.6 GiB (> 1 GiB)
-    proc = _sweep(["data.seq_len=32,1024", "device.memory_gib=1", "logging.wandb.mode=offline"], sweep_dir, timeout=900)
+    proc = _sweep(["data.seq_len=32,1024", "device.memory_gib=1", "logging.wandb.mode=offline", "training.loss=full"],
+                  sweep_dir, timeout=900)
     assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.index("sweep plan") < proc.stdout.index("sweep point 1_")  # planned before the point
     ok, skipped = _point_dirs(sweep_dir)
@@ -135,7 +189,7 @@ def test_sweep_skips_a_point_predicted_not_to_fit(tmp_path):
     assert rows[1]["status"].startswith("skipped: predicted") and float(rows[1]["predicted_peak_gib"]) > 1
     # and sweep.skip_infeasible=false runs it anyway
     proc = _sweep(["data.seq_len=1024", "data.batch_size=1", "device.memory_gib=0.5", "sweep.skip_infeasible=false",
-                   "logging.wandb.mode=disabled"], tmp_path / "anyway", timeout=900)
+                   "logging.wandb.mode=disabled", "training.loss=full"], tmp_path / "anyway", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (point,) = _point_dirs(tmp_path / "anyway")
     summary = json.loads((point / "summary.json").read_text())

@@ -81,7 +81,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor",
                       "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare"]),
     ("launch", ["qwen3_research.launch", "qwen3_research.launch.*"]),
-    ("recipe", ["qwen3_research.trainer", "qwen3_research.planner"]),
+    ("recipe", ["qwen3_research.trainer", "qwen3_research.planner", "qwen3_research.fit"]),
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
     ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
                     "qwen3_research.kernels.*", "qwen3_research.hf_interop", "qwen3_research.hf_interop.*",
@@ -89,8 +89,9 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
                     "qwen3_research.neuron_host", "qwen3_research.routing", "qwen3_research.token_stream"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.device",
-                  "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup"]),
-    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),
+                  "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
+                  "qwen3_research.allocator"]),
+    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors", "qwen3_research.host"]),
 ]
 
 

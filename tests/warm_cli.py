@@ -213,7 +213,8 @@ class _Server:
         self.env = dict(env)
         self.dir = tempfile.mkdtemp(prefix="warm-cli-")
         self.sock = os.path.join(self.dir, "s")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_cli", self.sock], cwd=ROOT, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_cli", self.sock], cwd=ROOT,
+                                     env={**self.env, **_allocator_preload(self.env)},
                                      stdout=subprocess.PIPE, stderr=None, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -264,6 +265,18 @@ class _Server:
                     raise subprocess.TimeoutExpired([module, *args], timeout, output(out), output(err))
                 code = int(line)
             return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, output(out), output(err))
+
+
+def _allocator_preload(env: dict) -> dict:
+    """The server starts with the allocator a CPU run of the CLI preloads (qwen3_research.allocator: mimalloc, from
+    the pinned wheel), so its forked runs have it already and do not re-execute themselves (which would make every
+    run cold); a run whose QWEN3_CPU_ALLOCATOR asks for glibc re-executes without it, as a cold run would start."""
+    from qwen3_research import allocator
+
+    lib = allocator.mimalloc_library()
+    if lib is None or env.get(allocator.ENV, "auto") not in ("auto", "mimalloc"):
+        return {}
+    return {"LD_PRELOAD": " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)}
 
 
 _server: _Server | None = None

@@ -161,11 +161,16 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
                   if s.provider == "command-line" and s.path]
     entries = {}
     rows = []
+    params = OmegaConf.to_container(config.hydra.sweeper.params) if config.hydra.sweeper.get("params") else {}
+    swept = swept_keys_of_this_sweep(params, sys.argv[1:])  # sweep.plan=fit keeps these as swept
     for num, job in enumerate(jobs):
         label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
         try:
-            plan = make_plan(compose_resolved(list(job), config_name=config_name, searchpath=searchpath))
+            composed = compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
+            plan = make_plan(composed)
             entry = plan.as_dict()
+            if not plan.fits and config.sweep.plan == "fit":
+                entry = _fitted(entry, composed, list(job), swept)
         except ConfigError as e:
             entry = {"error": f"config error: {e}"}
         except Exception as e:  # noqa: BLE001 - a plan that cannot be made must not stop the sweep
@@ -179,9 +184,35 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
         if "error" in e:
             echo(f"  {num:>3}  {label}: {e['error']}")
         else:
-            echo(f"  {num:>3}  {label}: {e['predicted_peak_gib']:.3f} GiB of {e['capacity_gib']:.2f} GiB -> {e['verdict']}")
+            adjusted = ("; adjusted to fit: " + " ".join(e["adjusted_overrides"]) + f" (was {e['unadjusted_peak_gib']:.3f} "
+                        "GiB)") if e.get("adjusted") else ""
+            echo(f"  {num:>3}  {label}: {e['predicted_peak_gib']:.3f} GiB of {e['capacity_gib']:.2f} GiB -> {e['verdict']}"
+                 f"{adjusted}{'; ' + e['fit'] if e.get('fit') else ''}")
     sys.stdout.flush()
     return entries
+
+
+def _fitted(entry: dict, composed: dict, job: list[str], swept: set[str]) -> dict:
+    """``sweep.plan=fit``: a point predicted not to fit gets its cheapest fitting variant (``qwen3_research.fit``),
+    the swept keys and the keys its command line sets kept; the entry then is that variant's plan, with what changed
+    (``adjusted``: key -> [configured, used]) and the overrides that change it. Nothing fits: the entry keeps its
+    verdict (the point is skipped) and says what dominates."""
+    from qwen3_research import fit
+
+    result = fit.search(composed, frozen=swept | fit.explicit_keys(job), k=1, echo=lambda msg: None)
+    if not result.fits:
+        return {**entry, "fit": f"no variant fits: {result.dominant}"}
+    best = result.fits[0]
+    configured = {k: _get(composed, k) for k in best.changes}
+    return {**best.plan.as_dict(), "unadjusted_peak_gib": entry["predicted_peak_gib"],
+            "adjusted": {k: [configured[k], v] for k, v in best.changes.items()}, "adjusted_overrides": best.overrides()}
+
+
+def _get(config: dict, dotted: str):
+    node = config
+    for key in dotted.split("."):
+        node = node[key]
+    return node
 
 
 def _is_point_override(override: str, config: DictConfig) -> bool:
@@ -255,6 +286,14 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
         moved = _move_previous_attempt(run_path)
         if moved is not None:
             print(f"sweep point {run_path.name}: earlier attempt moved to {moved}", flush=True)
+    if prediction.get("adjusted"):  # sweep.plan=fit: the point runs as its fitting variant (before it is resolved)
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            for key, (_, used) in prediction["adjusted"].items():
+                OmegaConf.update(cfg, key, used, merge=False)
+        print(f"sweep point {run_path.name}: adjusted to fit (sweep.plan=fit): "
+              + " ".join(f"{k}={old}->{new}" for k, (old, new) in prediction["adjusted"].items()), flush=True)
     if "verdict" in prediction and prediction["verdict"] == "does not fit" and cfg.sweep.skip_infeasible:
         reason = (f"predicted {prediction['predicted_peak_gib']:.2f} GiB > {prediction['capacity_gib']:.2f} GiB per rank "
                   "(sweep.skip_infeasible=false runs it anyway)")

@@ -1,0 +1,319 @@
+"""What WILL fit: search the knobs a user would turn for configurations that fit device memory, ranked by predicted
+step cost (``python -m qwen3_research.plan --fit``; ``sweep.plan=fit`` runs an infeasible point with its best one).
+
+Knobs (a key the user set on the command line, or a key a sweep varies, is frozen):
+
+- the micro-batch ``data.batch_size`` with ``training.grad_accum`` rescaled so the global batch (sequences per
+  optimizer step) stays the same; with ``data.global_batch_tokens`` only ``training.grad_accum`` changes;
+- activation checkpointing, only stronger than configured (none < selective < full);
+- ``training.loss=chunked``; ``training.mixed_precision=bf16`` (FSDP2 bf16 parameters where the layout shards: it
+  changes numerics, the line says so);
+- the tensor-parallel degree among those the world allows (``tp`` divides the world, the query and KV heads and
+  the sequence), with sequence parallel on (it only saves memory); only where ``parallelism.dp_shard=-1`` lets FSDP
+  take the remaining ranks.
+
+Search: every candidate's cost comes from a closed form (instant); its memory from the planner's closed form
+(``planner.estimate``) as a screen, then the real trace (``planner.make_plan``, the same code path as a plan
+without ``--fit``) of the cheapest candidates that pass the screen, until ``k`` fit. Traces are reused: a
+candidate is traced once, and a candidate that needs at least as much memory as one traced not to fit (same tp,
+at least its micro-batch, weaker or equal checkpointing, loss and precision) is not traced at all. Every printed
+suggestion was traced and fits.
+
+Cost per rank per optimizer step: compute = training FLOPs (torchtitan's per-token formula, ``models.flops_per_
+token``) with activation-checkpointing recomputation (full: one more forward of every block, +1/3 of the block
+FLOPs; selective: about half of that), over the device's dense peak in the dtype (bf16 or fp32); communication =
+bytes sent per rank (ring collectives, (n-1)/n): FSDP all-gathers every unit in forward and again in backward and
+reduce-scatters float32 gradients once per micro-batch; tensor parallel moves each block's activations four times
+per micro-batch (all-gather + reduce-scatter, forward and backward; the full loss also all-gathers the logits).
+Ranked by compute time, then communication bytes: no measured interconnect figure is in this repository to add
+them (a first-order model, not a simulator).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+
+AC_LEVELS = ("none", "selective", "full")
+KNOB_KEYS = ("data.batch_size", "training.grad_accum", "parallelism.activation_checkpoint", "training.loss",
+             "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel")
+SCREEN = 1.25  # a candidate whose closed-form peak exceeds the capacity by more than this is not traced
+MAX_TRACES = 10  # at most this many traces before the search stops (the ranking is closed form)
+
+
+@dataclass
+class Candidate:
+    changes: dict  # dotted key -> new value (only what differs from the configuration)
+    config: dict  # the resolved config with the changes
+    tp: int
+    sp: bool
+    batch: int
+    ac: str
+    chunked: bool
+    bf16: bool
+    compute_s: float = 0.0  # per optimizer step, at the device's dense peak
+    comm_bytes: float = 0.0  # sent per rank per optimizer step
+    estimate_gib: float = 0.0  # the planner's closed form (the screen)
+    plan: object = None  # planner.Plan once traced
+
+    def overrides(self) -> list[str]:
+        return [f"{k}={_fmt(v)}" for k, v in self.changes.items()]
+
+    def cost_key(self) -> tuple:
+        """Compute time, then bytes sent; on a tie the variant that changes fewer keys, then the larger micro-batch."""
+        return (round(self.compute_s, 6), round(self.comm_bytes), len(self.changes), -self.batch)
+
+
+@dataclass
+class FitResult:
+    fits: list[Candidate]
+    considered: int
+    traced: int
+    wall_s: float
+    capacity_gib: float
+    original: object = None  # the plan of the configuration as given (planner.Plan), None when not traced
+    dominant: str = ""  # nothing fits: what dominates the smallest configuration's memory
+    smallest: Candidate | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _fmt(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _set(config: dict, dotted: str, value) -> None:
+    node = config
+    *path, last = dotted.split(".")
+    for key in path:
+        node = node[key]
+    node[last] = value
+
+
+def replace_overrides(args: list[str], changes: dict) -> list[str]:
+    """``args`` (a command line's overrides) with ``changes`` applied: a key given there is replaced in place, a new
+    one appended (Hydra refuses the same key twice)."""
+    out, done = [], set()
+    for a in args:
+        key = a.split("=", 1)[0].lstrip("+~")
+        if key in changes and "=" in a:
+            out.append(f"{key}={_fmt(changes[key])}")
+            done.add(key)
+        else:
+            out.append(a)
+    return out + [f"{k}={_fmt(v)}" for k, v in changes.items() if k not in done]
+
+
+def explicit_keys(args: list[str]) -> set[str]:
+    """The knob keys a command line sets itself (frozen in the search)."""
+    return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a} & set(KNOB_KEYS)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
+    """Every legal variant of ``run`` (a ``resolve.ResolvedRun``) over the knobs not in ``frozen``."""
+    rc, d, config = run.rc, run.degrees, run.config
+    p, t = rc.parallelism, rc.training
+    world, heads, kv = d.world_size, run.model["n_heads"], run.model["n_kv_heads"]
+    global_seqs = rc.data.batch_size * d.dp * t.grad_accum
+    tps = [d.tp]
+    if "parallelism.tp" not in frozen and p.dp_shard == -1 and p.dp_replicate == 1 and d.ep == 1:
+        tps = [x for x in _divisors(world) if heads % x == 0 and kv % x == 0 and rc.data.seq_len % x == 0]
+    acs = [a for a in AC_LEVELS if AC_LEVELS.index(a) >= AC_LEVELS.index(p.activation_checkpoint)]
+    if "parallelism.activation_checkpoint" in frozen:
+        acs = [p.activation_checkpoint]
+    losses = [t.loss] if "training.loss" in frozen or t.loss == "chunked" else [t.loss, "chunked"]
+    precisions = [t.mixed_precision] if "training.mixed_precision" in frozen or t.mixed_precision == "bf16" \
+        else [t.mixed_precision, "bf16"]
+    gbt = rc.data.global_batch_tokens is not None
+    out = []
+    for tp in tps:
+        dp = world // tp if tp != d.tp else d.dp
+        if global_seqs % dp:
+            continue
+        per_rank = global_seqs // dp  # sequences per rank per optimizer step
+        batches = [b for b in _divisors(per_rank) if b <= max(rc.data.batch_size, 1)]
+        if {"data.batch_size", "training.grad_accum"} & frozen:
+            batches = [rc.data.batch_size] if per_rank % rc.data.batch_size == 0 else []
+        sp = d.sequence_parallel if tp == d.tp else tp > 1
+        if "parallelism.sequence_parallel" in frozen:
+            sp = d.sequence_parallel if tp > 1 else False
+        for b, ac, loss, mp in itertools.product(batches, acs, losses, precisions):
+            changes = {}
+            if tp != d.tp:
+                changes["parallelism.tp"] = tp
+            if sp != d.sequence_parallel:
+                changes["parallelism.sequence_parallel"] = sp
+            accum = per_rank // b
+            if b != rc.data.batch_size and not gbt:
+                changes["data.batch_size"] = b
+            if accum != t.grad_accum:
+                changes["training.grad_accum"] = accum
+            if ac != p.activation_checkpoint:
+                changes["parallelism.activation_checkpoint"] = ac
+            if loss != t.loss:
+                changes["training.loss"] = loss
+            if mp != t.mixed_precision:
+                changes["training.mixed_precision"] = mp
+            variant = copy.deepcopy(config)
+            for k, v in changes.items():
+                _set(variant, k, v)
+            out.append(Candidate(changes, variant, tp, sp, b, ac, loss == "chunked", mp == "bf16"))
+    return out
+
+
+def _peak_ratio(device_type: str) -> float:
+    """How much faster the device's dense bf16 peak is than its fp32 one (below 1 on CPUs without bf16 units)."""
+    from qwen3_research import device as devices
+
+    if device_type == "neuron":
+        return devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
+    if device_type == "cuda":  # H100/H200 SXM datasheet: 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK)
+        return 989e12 / devices.GPU_FP32_BY_BF16_PEAK[989e12]
+    return 0.5  # CPUs without bf16 units (this project's AVX2 EPYC) emulate bf16 matmuls: slower (GUIDE §7)
+
+
+def _fp32_peak(device_type: str) -> float:
+    from qwen3_research import device as devices
+
+    if device_type == "neuron":
+        return devices.TRN2_CORE_PEAK["fp32"] * 2  # an LNC=2 rank
+    if device_type == "cuda":
+        return devices.GPU_FP32_BY_BF16_PEAK[989e12]
+    return 1e11  # a nominal CPU rank: only the order of the candidates matters
+
+
+def cost(c: Candidate, run) -> None:
+    """Fill ``compute_s`` and ``comm_bytes`` of ``c`` (see the module docstring)."""
+    from qwen3_research import models
+
+    rc, world = run.rc, run.degrees.world_size
+    f = models.architecture(rc.model)
+    seq = rc.data.seq_len
+    per_token = models.flops_per_token(rc.model, seq)
+    global_tokens = rc.data.batch_size * run.degrees.dp * rc.training.grad_accum * seq
+    recompute = 0.0
+    if f is not None:
+        d, v = f.dim, f.vocab_size
+        layer = d * (f.n_heads + 2 * f.n_kv_heads) * f.head_dim + f.n_heads * f.head_dim * d + \
+            (f.num_experts * 3 * d * f.hidden_dim if f.num_experts else 3 * d * f.hidden_dim)
+        blocks = f.n_layers * layer
+        block_share = blocks / (blocks + v * d)
+        recompute = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}[c.ac] * block_share
+    flops = per_token * global_tokens * (1 + recompute) / world
+    device_type = run.device_type if not run.planned_elsewhere else "neuron"
+    peak = _fp32_peak(device_type) * (_peak_ratio(device_type) if c.bf16 else 1.0)
+    c.compute_s = flops / peak
+    if f is None:
+        return
+    dp = world // c.tp
+    accum = global_tokens // (seq * c.batch * dp)
+    total_params = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2)
+    s_p = 2 if c.bf16 else 4
+    fsdp = accum * (2 * s_p + 4) * total_params / c.tp * (dp - 1) / dp if dp > 1 else 0.0
+    tp = 0.0
+    if c.tp > 1:
+        s_a = 2 if c.bf16 else 4
+        act = c.batch * seq * d * s_a * (c.tp - 1) / c.tp
+        tp = accum * f.n_layers * 8 * act * (1.25 if c.ac == "full" else 1.0)
+        if not c.chunked:
+            tp += accum * c.batch * seq * v * 4 * (c.tp - 1) / c.tp
+    c.comm_bytes = fsdp + tp
+
+
+def _memory_order(c: Candidate) -> tuple:
+    return (c.batch, -AC_LEVELS.index(c.ac), -int(c.chunked), -int(c.bf16))
+
+
+def _needs_at_least(c: Candidate, failed: Candidate) -> bool:
+    """``c`` needs at least the memory of ``failed`` (same tp and SP, every knob at most as saving)."""
+    return (c.tp == failed.tp and c.sp == failed.sp and c.batch >= failed.batch
+            and AC_LEVELS.index(c.ac) <= AC_LEVELS.index(failed.ac) and c.chunked <= failed.chunked
+            and c.bf16 <= failed.bf16)
+
+
+def search(config: dict, *, frozen: set[str] = frozenset(), k: int = 3, echo=None) -> FitResult:
+    """The fitting variants of ``config`` (a composed, resolved config dict), cheapest first (at most ``k``)."""
+    from qwen3_research.planner import GIB, capacity, estimate, make_plan
+    from qwen3_research.resolve import resolve_run
+
+    echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    run = resolve_run(config, plan=True)
+    cap = capacity(run.rc)[0]
+    cands = candidates(run, frozen)
+    for c in cands:
+        cost(c, run)
+        try:
+            r = resolve_run(c.config, plan=True, kernels=False)
+        except Exception as e:  # noqa: BLE001 - a variant the rules refuse is not a candidate
+            c.estimate_gib = float("inf")
+            c.changes["_refused"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            continue
+        est = estimate(r.rc, r.degrees, r.model)
+        c.estimate_gib = est.get("peak", 0) / GIB if est else 0.0
+    cands = [c for c in cands if "_refused" not in c.changes]
+    cands.sort(key=Candidate.cost_key)
+    fits, failed, traced = [], [], 0
+    for c in cands:
+        if len(fits) >= k or traced >= MAX_TRACES:
+            break
+        if c.estimate_gib > SCREEN * cap or any(_needs_at_least(c, f) for f in failed):
+            continue
+        t1 = time.perf_counter()
+        c.plan = make_plan(c.config)
+        traced += 1
+        echo(f"fit: traced {' '.join(c.overrides()) or '(as configured)'}: {c.plan.peak_gib:.2f} GiB "
+             f"({c.plan.verdict}, {time.perf_counter() - t1:.0f} s)")
+        (fits if c.plan.fits else failed).append(c)
+    result = FitResult(fits, len(cands), traced, 0.0, cap)
+    if not fits:
+        result.smallest, result.dominant = _smallest(cands, run, cap, echo)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _smallest(cands: list[Candidate], run, cap: float, echo) -> tuple[Candidate | None, str]:
+    """The candidate that needs the least memory and what dominates it: the exact state bytes (float32 parameters,
+    gradients and AdamW state over the ranks that shard them) when they alone exceed the capacity, else its trace's
+    largest term."""
+    from qwen3_research.planner import GIB, estimate, make_plan
+    from qwen3_research.resolve import resolve_run
+
+    if not cands:
+        return None, "no legal variant of this configuration (the world allows no other layout)"
+    best = min(cands, key=lambda c: (-c.tp, _memory_order(c)))
+    r = resolve_run(best.config, plan=True, kernels=False)
+    est = estimate(r.rc, r.degrees, r.model)
+    state = sum(est.get(k, 0) for k in ("params", "grads", "optimizer")) / GIB if est else 0.0
+    if state > cap:
+        return best, (f"float32 parameters + gradients + AdamW state alone are {state:.1f} GiB per rank "
+                      f"(params {est['params'] / GIB:.1f}, grads {est['grads'] / GIB:.1f}, optimizer "
+                      f"{est['optimizer'] / GIB:.1f} GiB over {r.degrees.dp_shard * r.degrees.tp} shards) > "
+                      f"{cap:.2f} GiB: shard over more ranks (parallelism.nproc_per_node / nnodes, dp_shard)")
+    best.plan = best.plan or make_plan(best.config)
+    worst = max(best.plan.ranks, key=lambda rp: rp.peak)
+    term, size = max(worst.traced.items(), key=lambda kv: kv[1])
+    echo(f"fit: traced the smallest variant: {best.plan.peak_gib:.2f} GiB")
+    return best, (f"{term} dominates: {size / GIB:.2f} GiB of {best.plan.peak_gib:.2f} GiB per rank in the smallest "
+                  f"variant ({' '.join(best.overrides())}) > {cap:.2f} GiB")
+
+
+def render(result: FitResult, args: list[str]) -> str:
+    if not result.fits:
+        return (f"fit: nothing fits in {result.capacity_gib:.2f} GiB per rank ({result.considered} variants considered, "
+                f"{result.traced} traced, {result.wall_s:.0f} s): {result.dominant}")
+    lines = [f"fit: {len(result.fits)} fitting variants of {result.considered} ({result.traced} traced, "
+             f"{result.wall_s:.0f} s), cheapest predicted step first (compute at the device peak, then bytes sent "
+             "per rank); each line is the whole command line to run:"]
+    for i, c in enumerate(result.fits, 1):
+        note = " (bf16 changes numerics)" if c.bf16 and "training.mixed_precision" in c.changes else ""
+        lines.append(f"  {i}. {c.plan.peak_gib:.2f} GiB per rank ({c.plan.verdict}), compute {c.compute_s:.3g} s, "
+                     f"comm {c.comm_bytes / 1024**3:.1f} GiB/step{note}")
+        lines.append("     " + " ".join(replace_overrides(args, c.changes)))
+    return "\n".join(lines)
