@@ -221,7 +221,28 @@ def _resolved_dict(cfg: DictConfig | dict | RunConfig) -> dict:
     else:
         cfg = copy.deepcopy(cfg)  # the caller's dict is never written
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}
-    return _resume_when_requeued(resolve_auto_settings(cfg))
+    return _resume_when_requeued(resolve_auto_settings(_loss_for_backend(cfg)))
+
+
+def _loss_for_backend(cfg: dict) -> dict:
+    """``training.loss``: the chunked loss (auto's choice on cpu) only for a backend that has one
+    (``BackendSpec.chunked_loss``); auto is then the full loss, and chunked asked for is a config error."""
+    from qwen3_research.models import registry
+
+    training, model = cfg.get("training") or {}, cfg.get("model") or {}
+    loss = training.get("loss", "auto")
+    if loss not in ("auto", "chunked") or not model.get("backend"):
+        return cfg
+    try:
+        spec = registry.get(model["backend"], model.get("module"))
+    except ConfigError:
+        return cfg  # an unknown backend: validation names it
+    if spec.chunked_loss:
+        return cfg
+    if loss == "chunked":
+        raise ConfigError(f"training.loss=chunked needs a model backend with hidden_states and lm_head_weight; "
+                          f"model.backend={model['backend']!r} has none (BackendSpec.chunked_loss): use training.loss=full")
+    return {**cfg, "training": {**training, "loss": "full"}}
 
 
 def _resume_when_requeued(resolved: dict) -> dict:

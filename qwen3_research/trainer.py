@@ -446,6 +446,8 @@ class Trainer:
         from qwen3_research.metrics import mfu, tokens_per_second
 
         tps = tokens_per_second(tokens_per_step, dt)
+        # a CPU peak measured while the cores were shared is too low: the run's own rate raises it (never MFU > 1)
+        peak = self.device.observed_flops(self._compute_dtype(), self.backend.flops_per_token * tps / self.world_size)
         rows = self._memory_rows()
         record = {
             "step": self.state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,

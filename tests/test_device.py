@@ -236,6 +236,7 @@ def test_single_process_sweep_reports_each_points_own_peak(tmp_path):
     peak must come out lower by at least 0.25 GiB, and each point reset the peak (VmHWM on Linux)."""
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "data.batch_size=8,1", "data.seq_len=64", "training.steps=2", "training.eval_every=0",
+                    "training.loss=full",  # the full-vocabulary logits are the point (the CPU default is chunked)
                     "logging.print_config=false", "logging.wandb.mode=disabled", "parallelism.nproc_per_node=1",
                     f"hydra.sweep.dir={sweep}"])
     assert_ok(proc)

@@ -73,6 +73,8 @@ def test_run_dir_layout_and_wandb_history_match_metrics(default_run):
     # configured "auto" (.hydra) and recorded as what it resolved to on this device: none on cpu (bf16 on neuron).
     assert saved["training"]["mixed_precision"] == "auto"
     saved["training"]["mixed_precision"] = "none"
+    assert saved["training"]["loss"] == "auto"  # likewise training.loss: the chunked loss on cpu
+    saved["training"]["loss"] = "chunked"
     assert json.loads((run_dir / "summary.json").read_text())["mixed_precision"] == "none"
     for section in ("model", "parallelism", "optimizer", "data", "training", "kernels", "device"):
         assert config[section] == saved[section], section

@@ -272,8 +272,6 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
             return old, old.get("prediction") or {}, cfg
         resume_from = _interrupted_checkpoint(cfg, run_path, old)
         if resume_from is not None:  # stopped by a signal after saving: continue it, as a run resumes
-            from omegaconf import OmegaConf
-
             resumed = OmegaConf.merge(cfg, {"checkpoint": {"resume": "auto"}})  # a new config, as an override would
             print(f"sweep point {run_path.name}: resuming the interrupted attempt from {resume_from}", flush=True)
             return None, old.get("prediction") or {}, resumed
@@ -287,11 +285,10 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
         if moved is not None:
             print(f"sweep point {run_path.name}: earlier attempt moved to {moved}", flush=True)
     if prediction.get("adjusted"):  # sweep.plan=fit: the point runs as its fitting variant (before it is resolved)
-        from omegaconf import open_dict
-
-        with open_dict(cfg):
-            for key, (_, used) in prediction["adjusted"].items():
-                OmegaConf.update(cfg, key, used, merge=False)
+        adjusted = OmegaConf.create()
+        for key, (_, used) in prediction["adjusted"].items():
+            OmegaConf.update(adjusted, key, used, merge=False)
+        cfg = OmegaConf.merge(cfg, adjusted)  # a new config, as the override lines would give; Hydra's stays as composed
         print(f"sweep point {run_path.name}: adjusted to fit (sweep.plan=fit): "
               + " ".join(f"{k}={old}->{new}" for k, (old, new) in prediction["adjusted"].items()), flush=True)
     if "verdict" in prediction and prediction["verdict"] == "does not fit" and cfg.sweep.skip_infeasible:

@@ -74,6 +74,9 @@ class BackendSpec:
     balance_modes: tuple = ("none",)
     # data.document_masking: forward(inputs, positions=...) restarts attention and RoPE at each document.
     document_masking: bool = False
+    # training.loss=chunked: the model gives hidden_states(inputs) and lm_head_weight (qwen3_research.loss.lm_loss);
+    # without them training.loss=auto is the full loss on every device, and chunked is a config error.
+    chunked_loss: bool = True
 
 
 @functools.lru_cache(maxsize=None)
