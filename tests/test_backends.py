@@ -110,3 +110,18 @@ def test_unknown_backend_names_the_shipped_ones():
         models.check(ModelConfig(backend="transformer"))
     print(f"\n{e.value}")
     assert str(e.value).startswith("model.backend='transformer' is not one of ['hf', 'native', 'native_moe']")
+
+
+def test_training_loss_auto_is_the_full_loss_for_a_backend_without_a_chunked_one():
+    """BackendSpec.chunked_loss=False (the toy bigram gives logits only): auto resolves to the full loss, chunked asked
+    for is one config error; an in-tree torchtitan backend on 0.3.x keeps auto (the chunked loss on cpu)."""
+    from qwen3_research import titan
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.resolve import _loss_for_backend
+
+    toy = {"model": {"backend": "toy", "module": "tests.toy_backend"}, "training": {"loss": "auto"}}
+    assert _loss_for_backend(toy)["training"]["loss"] == "full"
+    with pytest.raises(ConfigError, match=r"training.loss=chunked: model.backend='toy' has no hidden_states"):
+        _loss_for_backend({**toy, "training": {"loss": "chunked"}})
+    native = {"model": {"backend": "native"}, "training": {"loss": "auto"}}
+    assert _loss_for_backend(native)["training"]["loss"] == ("full" if titan.legacy() else "auto")
