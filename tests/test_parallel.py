@@ -326,3 +326,19 @@ def test_failing_rank_stops_the_group(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "rank 1 failed" in summary["reason"]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_the_reported_failure_is_the_cause_not_the_peer_that_lost_it():
+    """Error files carry whole-second timestamps: rank 1's injected error and rank 0's lost gloo peer tie, and
+    torch's get_first_failure took rank 0's "Connection reset by peer" (seen as a flaky test_failing_rank_stops_the_
+    group). The cause wins the tie; a failure a second or more earlier still wins."""
+    from types import SimpleNamespace as F
+
+    from qwen3_research.launch.elastic import root_failure
+
+    reset = "RuntimeError: [../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:30894: Connection reset by peer."
+    tie = {0: F(message=reset, timestamp=100), 1: F(message="RuntimeError: injected failure", timestamp=100)}
+    assert root_failure(tie)[0] == 1
+    assert root_failure({0: F(message=reset, timestamp=100), 1: F(message={"message": "boom"}, timestamp=101)})[0] == 1
+    assert root_failure({0: F(message="ValueError: x", timestamp=100), 1: F(message="OSError: y", timestamp=105)})[0] == 0
+    assert root_failure({0: F(message=reset, timestamp=100), 1: F(message=reset, timestamp=100)})[0] == 0

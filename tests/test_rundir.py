@@ -403,3 +403,39 @@ def test_a_checkpoint_dir_has_one_owner(tmp_path):
     assert_ok(run_cli([a for a in args if not a.startswith("training.steps")] + ["training.steps=2", "checkpoint.resume=auto"],
                       run_dir=run_a))
     assert (shared / "step-00000002").is_dir()
+
+
+# The agent stores its process context only when start_processes returns; this driver delivers SIGINT inside it,
+# after both workers were forked, which is the race a Ctrl-C at start-up sometimes lost (the launcher exited 130
+# and the orphaned workers held its pipes for minutes, waiting for the store that had gone with it).
+_SIGINT_INSIDE_START = """
+import os, runpy, signal, sys, time
+import torch.distributed.elastic.agent.server.local_elastic_agent as agent
+original = agent.start_processes
+def start_then_interrupted(*args, **kwargs):
+    pcontext = original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)  # the handler raises here, before the agent has the context
+    return pcontext
+agent.start_processes = start_then_interrupted
+sys.argv = ["qwen3_research", *sys.argv[1:]]
+runpy.run_module("qwen3_research", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_workers_start_leaves_no_worker_behind(tmp_path):
+    run, tag = tmp_path / "r", uuid.uuid4().hex
+    cmd = [sys.executable, "-c", _SIGINT_INSIDE_START, *QUICK, *DP2, "training.steps=50",
+           "logging.wandb.mode=disabled", f"hydra.run.dir={run}"]
+    t0 = time.perf_counter()
+    # mallopt: no re-exec for mimalloc's preload, which would start a fresh interpreter without the driver's patch
+    env = cli_env(QWEN3_TEST_TAG=tag, QWEN3_CPU_ALLOCATOR="mallopt")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    left = _tagged(tag)
+    for p in left:
+        p.kill()
+    print(f"exit {proc.returncode} after {time.perf_counter() - t0:.1f} s; workers left: {len(left)}; "
+          f"{proc.stderr.strip().splitlines()[-1:]}")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert left == [], [p.cmdline() for p in left]

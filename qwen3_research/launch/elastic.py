@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -135,6 +135,38 @@ def _sigint_held_for_workers():
         done.set()
 
 
+@contextmanager
+def _no_worker_left_behind(grace_s: float = 30.0):
+    """No worker outlives the launch. A signal that reaches the agent while it is still inside ``start_processes``
+    (the workers forked, the process context not yet stored) leaves the agent nothing to close: the workers ran on
+    as orphans, waiting for a store that had gone (seen as a Ctrl-C at start-up that returned 130 while the
+    workers held the terminal's pipes for minutes). Any worker still alive afterwards gets the signal the agent
+    got (SIGTERM otherwise; a worker that holds SIGINT until its start-up ends receives it then), then SIGKILL
+    after ``grace_s`` as torch's own ``MultiprocessContext.close`` does."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    sig = signal.SIGTERM
+    before = set(multiprocessing.active_children())  # not this launch's (a process forked from a parent has its list)
+    try:
+        yield
+    except SignalException as e:
+        sig = signal.Signals(int(e.sigval))
+        raise
+    finally:
+        left = [p for p in multiprocessing.active_children() if p not in before]  # joins the finished ones
+        for proc in left:
+            with suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+        deadline = time.monotonic() + grace_s
+        for proc in left:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
 def finite_json(summary: dict) -> dict:
     """NaN/inf are not JSON: such a value becomes null and its key is listed under ``non_finite``."""
     import math
@@ -212,10 +244,10 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
         start_method=_start_method(rc),
     )
     try:
-        with _sigint_held_for_workers():
+        with _sigint_held_for_workers(), _no_worker_left_behind():
             results = elastic_launch(config, _recorded_worker)(run, asdict(info))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         if isinstance(failure.message, dict):
             message = failure.message.get("message", message)
@@ -234,6 +266,27 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
             f"({first}); start the same command on every node with parallelism.rdzv_endpoint="
             "<first node's address>:<port> reachable from all of them, or use hydra/launcher=slurm") from None
     return results.get(0) or next(iter(results.values()))
+
+
+# A rank that lost its peer in a collective (gloo's TCP pair, NCCL, the store) fails as a consequence of another.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport",
+              "DistNetworkError", "NCCL communicator was aborted")
+
+
+def root_failure(failures: dict) -> tuple[int, object]:
+    """The failure that caused the others: torch's ``ChildFailedError.get_first_failure`` takes the earliest error
+    file, but their timestamps are whole seconds, so a rank that raised and the peer that lost it in a collective
+    often tie, and the lower rank (the peer) won. Among the failures within a second of the earliest, one that is not
+    a lost peer is preferred, then the earliest, then the lowest rank."""
+
+    def peer_loss(f) -> bool:
+        msg = f.message if isinstance(f.message, str) else json.dumps(f.message)
+        return any(s in msg for s in _PEER_LOSS)
+
+    first = min(f.timestamp for f in failures.values())
+    near = [r for r, f in failures.items() if f.timestamp <= first + 1]
+    rank = min(near, key=lambda r: (peer_loss(failures[r]), failures[r].timestamp, r))
+    return rank, failures[rank]
 
 
 def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
