@@ -342,3 +342,22 @@ def test_the_reported_failure_is_the_cause_not_the_peer_that_lost_it():
     assert root_failure({0: F(message=reset, timestamp=100), 1: F(message={"message": "boom"}, timestamp=101)})[0] == 1
     assert root_failure({0: F(message="ValueError: x", timestamp=100), 1: F(message="OSError: y", timestamp=105)})[0] == 0
     assert root_failure({0: F(message=reset, timestamp=100), 1: F(message=reset, timestamp=100)})[0] == 0
+
+
+def test_the_cause_is_found_in_a_sibling_error_file_the_agent_did_not_report(tmp_path):
+    """The agent reports only the first dead process its poll finds: rank 0 (lost its peer) may be the one, while
+    rank 1's error file (the injected failure) lies beside it in torch's <attempt>/<local rank>/error.json layout."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from qwen3_research.launch.elastic import root_failure
+
+    def error_file(local_rank: int, message: str) -> str:
+        (tmp_path / str(local_rank)).mkdir()
+        path = tmp_path / str(local_rank) / "error.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "100"}}}))
+        return str(path)
+
+    reported = ProcessFailure(0, pid=1, exitcode=1, error_file=error_file(0, "RuntimeError: gloo Connection reset by peer"))
+    error_file(1, "RuntimeError: injected failure at step 2 on rank 1")
+    rank, failure = root_failure({4: reported})  # node 2 of 2-rank nodes: global ranks 4 and 5
+    assert rank == 5 and "injected failure" in json.dumps(failure.message)

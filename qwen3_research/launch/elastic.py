@@ -277,7 +277,11 @@ def root_failure(failures: dict) -> tuple[int, object]:
     """The failure that caused the others: torch's ``ChildFailedError.get_first_failure`` takes the earliest error
     file, but their timestamps are whole seconds, so a rank that raised and the peer that lost it in a collective
     often tie, and the lower rank (the peer) won. Among the failures within a second of the earliest, one that is not
-    a lost peer is preferred, then the earliest, then the lowest rank."""
+    a lost peer is preferred, then the earliest, then the lowest rank. The agent reports only the first process its
+    poll found dead; the error files the other ranks of this node wrote (torch's log layout: ``<attempt>/<local
+    rank>/error.json``) are read too, so a raising rank that exited after its peer lost it is still found."""
+
+    failures = {**failures, **_siblings_error_files(failures)}
 
     def peer_loss(f) -> bool:
         msg = f.message if isinstance(f.message, str) else json.dumps(f.message)
@@ -287,6 +291,25 @@ def root_failure(failures: dict) -> tuple[int, object]:
     near = [r for r, f in failures.items() if f.timestamp <= first + 1]
     rank = min(near, key=lambda r: (peer_loss(failures[r]), failures[r].timestamp, r))
     return rank, failures[rank]
+
+
+def _siblings_error_files(failures: dict) -> dict:
+    """Failures the agent did not report, from the error files beside a reported one's (global rank -> failure);
+    a rank that wrote one raised under ``record``, which exits 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    out = {}
+    for rank, f in failures.items():
+        error_file = getattr(f, "error_file", None)
+        if not error_file or error_file == os.devnull:
+            continue
+        for d in Path(error_file).parent.parent.iterdir():
+            g = rank - f.local_rank + int(d.name) if d.name.isdigit() else None
+            if g is None or g in failures or g in out or not (d / "error.json").is_file():
+                continue
+            with suppress(Exception):  # a file being written, or not torch's format: not evidence
+                out[g] = ProcessFailure(int(d.name), pid=0, exitcode=1, error_file=str(d / "error.json"))
+    return out
 
 
 def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
