@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ class SweepReport(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.t0 = time.perf_counter()
         if config.get("sweep") is not None and config.sweep.plan:
-            plan_points(config, Path(config.hydra.sweep.dir))
+            in_a_forked_child(lambda: plan_points(config, Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from qwen3_research.report import EXIT_SOME_FAILED, find_runs, report
@@ -75,6 +76,58 @@ class SweepReport(Callback):
             print(f"sweep finished; points predicted not to fit were skipped (exit status {EXIT_SOME_SKIPPED})",
                   file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_SKIPPED)
+
+
+def in_a_forked_child(fn):
+    """``fn()`` run in a forked copy of this process; its result (or exception) comes back pickled.
+
+    The plan traces a Trainer per point on fake tensors. Run here, that would make this process one that has built
+    a Trainer, whose CPU worker groups must then be spawned (``launch.elastic._start_method``: autograd's threads do
+    not survive a fork), paying a fresh interpreter's imports per rank of every point (~7 s on 2 cores). In a child
+    the sweep's own process stays fork-clean. Where ``os.fork`` is missing, or the caller is not the main thread,
+    ``fn`` runs here. A signal during the plan reaches the child and this process alike: the child exits quietly
+    (128 + signal), and this process raises as it would have."""
+    import pickle
+    import threading
+
+    if not hasattr(os, "fork") or threading.current_thread() is not threading.main_thread():
+        return fn()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's stack
+        code = 0
+        try:
+            os.close(r)
+            try:
+                data = pickle.dumps((True, fn()))
+            except KeyboardInterrupt:
+                data, code = b"", 130
+            except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+                try:
+                    data = pickle.dumps((False, e))
+                except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+                    data = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        code = os.waitstatus_to_exitcode(status)
+        if code == 130 or code == -2:
+            raise KeyboardInterrupt
+        raise RuntimeError(f"the sweep's plan process ended with exit status {code} and no result")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise value
+    return value
 
 
 def wandb_group(sweep_dir: Path) -> str:
