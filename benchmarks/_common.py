@@ -150,7 +150,7 @@ def header(name: str, argv: list[str]) -> None:
     import torch
 
     print(f"# {name}: torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load average {loadavg()}", flush=True)
+          f"load average {loadavg()}, CPU allocator {allocator.status()}", flush=True)
     print(f"# command: python {' '.join(argv)}", flush=True)
 
 
