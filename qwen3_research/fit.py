@@ -168,14 +168,17 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
 
 
 def _peak_ratio(device_type: str) -> float:
-    """How much faster the device's dense bf16 peak is than its fp32 one (below 1 on CPUs without bf16 units)."""
+    """How much faster the device's dense bf16 peak is than its fp32 one (below 1 on a CPU without bf16 units)."""
     from qwen3_research import device as devices
 
     if device_type == "neuron":
         return devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
     if device_type == "cuda":  # H100/H200 SXM datasheet: 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK)
         return 989e12 / devices.GPU_FP32_BY_BF16_PEAK[989e12]
-    return 0.5  # CPUs without bf16 units (this project's AVX2 EPYC) emulate bf16 matmuls: slower (GUIDE §7)
+    import torch  # a CPU: its own matmul rates, measured once and cached (device.cached_cpu_peak). Without bf16
+    # units (AVX2-only) bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one (GUIDE §7)
+
+    return devices.cached_cpu_peak(torch.bfloat16) / devices.cached_cpu_peak(torch.float32)
 
 
 def _fp32_peak(device_type: str) -> float:
@@ -185,7 +188,9 @@ def _fp32_peak(device_type: str) -> float:
         return devices.TRN2_CORE_PEAK["fp32"] * 2  # an LNC=2 rank
     if device_type == "cuda":
         return devices.GPU_FP32_BY_BF16_PEAK[989e12]
-    return 1e11  # a nominal CPU rank: only the order of the candidates matters
+    import torch
+
+    return devices.cached_cpu_peak(torch.float32)  # this CPU's measured fp32 matmul rate (all of its threads)
 
 
 def cost(c: Candidate, run) -> None:

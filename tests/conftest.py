@@ -8,9 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# Under pytest-xdist, N workers share the machine's cores: each worker's runs (and torch in it) get cores // N
+# threads, as torchrun gives its workers OMP_NUM_THREADS=1. Oversubscribed OpenMP threads spin against each other:
+# on 2 cores with -n 2, tests/test_train.py + tests/test_reliability.py took 192 s with 2 threads per run and 146 s
+# with 1. Set before anything imports torch (it reads the variable once); every run inherits it (cli_env), the
+# warm server included. A value already in the environment wins.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
-from tests import warm_cli
+import pytest  # noqa: E402
+
+from tests import warm_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
