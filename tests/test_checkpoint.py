@@ -235,3 +235,31 @@ def test_checkpointer_saves_and_resumes_a_train_state_without_a_trainer(tmp_path
     assert torch.equal(torch.rand(3), rand_after_save)  # this rank's generator continues where the save left it
     meta = json.loads((path / "meta.json").read_text())
     assert (meta["step"], meta["layout"], meta["model"], meta["data_layout"]) == (2, "world=1", {"backend": "toy"}, {"seq_len": 4})
+
+
+@pytest.mark.parametrize("saved, resumed", [("bias", "none"), ("none", "bias")])
+def test_resume_across_moe_balance_modes_that_change_the_tensors_is_one_config_error(tmp_path, saved, resumed):
+    """model.moe.balance=bias adds torchtitan's expert_bias and tokens_per_expert buffers: a checkpoint saved with
+    one mode and resumed with the other is refused in one line by the check the Trainer runs before loading,
+    naming the buffer (not a strict-load failure inside DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    from qwen3_research import device as devices
+    from qwen3_research.config import ConfigError, ModelConfig, MoEConfig
+    from qwen3_research.run.checkpoint import check_model_matches
+    from qwen3_research.run.train_state import model_tensors
+
+    devices.prepare_torchtitan("cpu")
+    from qwen3_research.models.native_model import NativeQwen3
+
+    def moe(balance):
+        cfg = ModelConfig(backend="native_moe", flavor="tiny", moe=MoEConfig(balance=balance))
+        return NativeQwen3(cfg, torch.device("cpu"), 32, 0).model
+
+    ckpt = tmp_path / "step-00000002"
+    dcp.save({f"model.{k}": v for k, v in model_tensors(moe(saved)).items()}, checkpoint_id=str(ckpt))
+    (ckpt / "meta.json").write_text(json.dumps({"model": {"backend": "native_moe", "flavor": "tiny", "moe": {"balance": saved}}}))
+    with pytest.raises(ConfigError, match=r"holds another model shape .*expert_bias") as e:
+        check_model_matches(ckpt, model_tensors(moe(resumed)), what="checkpoint.resume=auto")
+    print(f"\n{saved} -> {resumed}: {e.value}")
+    assert "\n" not in str(e.value) and f"saved with model.moe.balance={saved}" in str(e.value)

@@ -198,6 +198,9 @@ def check_model_matches(path: Path, model_state: dict, *, what: str) -> None:
     parts = [f"{k}: checkpoint {list(saved[k])} vs model {list(current[k])}" for k in differ[:2]]
     parts += [f"{len(missing)} model tensors not in the checkpoint (e.g. {missing[0]})"] if missing else []
     parts += [f"{len(extra)} checkpoint tensors not in the model (e.g. {extra[0]})"] if extra else []
+    if any("expert_bias" in k for k in missing + extra):  # torchtitan's buffers of model.moe.balance=bias
+        was = (meta.get("moe") or {}).get("balance", "?")
+        parts.append(f"saved with model.moe.balance={was}: only bias has expert-bias buffers")
     raise ConfigError(
         f"{what}: {path} holds another model shape (saved as model={saved_as}): {'; '.join(parts)}; "
         "resume with the same model settings, or use another checkpoint.dir"
