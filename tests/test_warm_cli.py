@@ -55,3 +55,15 @@ def test_warm_config_error_equals_a_cold_one(tmp_path):
     assert cold.returncode == warm.returncode == 2
     assert warm.stderr == cold.stderr and warm.stdout == cold.stdout
     assert not (tmp_path / "r").exists()
+
+
+def test_a_childs_exit_leaves_the_servers_temporary_directories_alone():
+    """W&B's media directory, made and registered for removal at exit when wandb is imported (in the server), was
+    removed by the first child's exit, and a later sweep's W&B table failed with FileNotFoundError. Each child has
+    its own now, as a cold process does."""
+    outs = [warm_cli.run("tests.wandb_media_probe", [], cwd=ROOT, env=cli_env(), base_env=cli_env(), timeout=120)
+            for _ in range(3)]
+    assert all(p is not None and p.returncode == 0 for p in outs), [p and p.stderr[-2000:] for p in outs]
+    lines = [p.stdout.strip() for p in outs]
+    print(lines)
+    assert all(ln.endswith("exists=True") for ln in lines) and len(set(lines)) == 3, lines

@@ -112,6 +112,26 @@ def _preload() -> list[str]:
     return missing
 
 
+def _leave_the_servers_resources_alone() -> None:
+    """The exit of a child must not clean up what the server made before the fork.
+
+    A child ends with the interpreter's atexit functions (below), the ones the server's imports registered too. W&B
+    makes its media directory at import (``wandb.sdk.data_types._private.MEDIA_TMP``, a
+    ``tempfile.TemporaryDirectory``) and registers its ``cleanup`` with atexit: the first child to exit removed the
+    server's directory, and every later child that logged media (a sweep's W&B table) failed with FileNotFoundError.
+    A cold process makes and removes its own: so does a child now (the object keeps its identity, which W&B's
+    modules imported by name, and gets a directory of its own). Inherited ``weakref.finalize`` callbacks (another
+    way a TemporaryDirectory cleans up) are detached: they belong to the server's objects."""
+    import tempfile
+    import weakref
+
+    for f in list(getattr(weakref.finalize, "_registry", {})):
+        f.detach()
+    private = sys.modules.get("wandb.sdk.data_types._private")
+    if private is not None and hasattr(private, "MEDIA_TMP"):
+        private.MEDIA_TMP.name = tempfile.mkdtemp("wandb-media")
+
+
 def _child(req: dict, fds: list[int]) -> None:
     """Become `python -m req.module *req.args`; never returns."""
     for fd in fds:
@@ -130,8 +150,15 @@ def _child(req: dict, fds: list[int]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if "numpy" in sys.modules:  # a cold process seeds numpy's global generator from the OS; so does each child
         sys.modules["numpy"].random.seed()
+    _leave_the_servers_resources_alone()
     sys.argv = [req["module"], *req["args"]]  # runpy replaces argv[0] with the module's file, as `-m` does
     sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+    added = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = added  # then PYTHONPATH's entries (the client allowed only ones that shadow nothing loaded)
+    if added:
+        import importlib
+
+        importlib.invalidate_caches()
     import runpy
 
     code, by_sigint = 0, False
@@ -283,9 +310,35 @@ _server: _Server | None = None
 _lock = threading.Lock()
 
 
+def _new_path_entries(env: dict, base: dict) -> list[str]:
+    old = set(filter(None, base.get("PYTHONPATH", "").split(os.pathsep)))
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in old]
+
+
+def _shadows_nothing_preloaded(entries: list[str]) -> bool:
+    """PYTHONPATH entries whose top-level modules the server has not imported (a test double of torch_neuronx, the
+    repository root): a child puts them on sys.path as a cold interpreter would, and imports them itself. An entry
+    holding a module the server preloaded (or that this process has, as a stand-in for what it pulls in) runs cold."""
+    loaded = {m.split(".")[0] for m in sys.modules} | {m.split(".")[0] for m in PRELOAD}
+    for entry in entries:
+        if not os.path.isdir(entry):
+            return False
+        names = {Path(n).stem for n in os.listdir(entry) if n.endswith(".py") or os.path.isdir(os.path.join(entry, n))}
+        if Path(entry).resolve() != ROOT and names & loaded:
+            return False
+    return True
+
+
 def _differs_only_at_run_time(env: dict, base: dict) -> bool:
+    """PATH is read when a program is looked up, never by an import; PYTHONPATH only as _shadows_nothing_preloaded
+    allows."""
     keys = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
-    return all(k.startswith(RUNTIME_ENV_PREFIXES) for k in keys)
+    if "PYTHONPATH" in keys:
+        old = set(filter(None, base.get("PYTHONPATH", "").split(os.pathsep)))
+        if not old <= set(env.get("PYTHONPATH", "").split(os.pathsep)) or not _shadows_nothing_preloaded(
+                _new_path_entries(env, base)):
+            return False
+    return all(k.startswith(RUNTIME_ENV_PREFIXES) or k in ("PATH", "PYTHONPATH") for k in keys)
 
 
 def server(base_env: dict) -> _Server | None:

@@ -429,13 +429,6 @@ def log_sweep_table(wandb_cfg, out_dir: Path, group: str, columns: list[str], ro
                          name=f"{group}/report", dir=str(out_dir), mode=mode, reinit="finish_previous",
                          tags=redact_secrets(list(wandb_cfg.tags)),
                          settings=wandb.Settings(quiet=True, init_timeout=wandb_cfg.init_timeout))
-        try:  # W&B writes media through one temporary directory made at its import (wandb.sdk.data_types._private
-            # MEDIA_TMP); a process forked from this one (a worker of a sweep point) can remove it when it exits
-            from wandb.sdk.data_types._private import MEDIA_TMP
-
-            os.makedirs(MEDIA_TMP.name, exist_ok=True)
-        except ImportError:
-            pass
         record = {"sweep/points": wandb.Table(columns=columns, data=rows)}
         record.update({f"sweep/{Path(p).stem}": wandb.Image(str(p)) for p in images})
         run.log(record)  # a table logged once is also the run's summary value
