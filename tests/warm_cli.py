@@ -153,7 +153,7 @@ def _child(req: dict, fds: list[int]) -> None:
     _leave_the_servers_resources_alone()
     sys.argv = [req["module"], *req["args"]]  # runpy replaces argv[0] with the module's file, as `-m` does
     sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
-    added = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    added = [p for p in _path_entries(req["env"]) if p not in sys.path]
     sys.path[1:1] = added  # then PYTHONPATH's entries (the client allowed only ones that shadow nothing loaded)
     if added:
         import importlib
@@ -310,9 +310,8 @@ _server: _Server | None = None
 _lock = threading.Lock()
 
 
-def _new_path_entries(env: dict, base: dict) -> list[str]:
-    old = set(filter(None, base.get("PYTHONPATH", "").split(os.pathsep)))
-    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in old]
+def _path_entries(env: dict) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _shadows_nothing_preloaded(entries: list[str]) -> bool:
@@ -334,9 +333,8 @@ def _differs_only_at_run_time(env: dict, base: dict) -> bool:
     allows."""
     keys = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)}
     if "PYTHONPATH" in keys:
-        old = set(filter(None, base.get("PYTHONPATH", "").split(os.pathsep)))
-        if not old <= set(env.get("PYTHONPATH", "").split(os.pathsep)) or not _shadows_nothing_preloaded(
-                _new_path_entries(env, base)):
+        old, new = _path_entries(base), _path_entries(env)
+        if not set(old) <= set(new) or not _shadows_nothing_preloaded([p for p in new if p not in old]):
             return False
     return all(k.startswith(RUNTIME_ENV_PREFIXES) or k in ("PATH", "PYTHONPATH") for k in keys)
 
