@@ -37,6 +37,7 @@ NEURON_BIN = "/opt/aws/neuron/bin"  # where the DLAMI and AWS's packages put neu
 EFA_BIN = "/opt/amazon/efa/bin"  # where the EFA installer puts fi_info
 SYSFS_ENV = "QWEN3_SYSFS_ROOT"  # test hook: a fake /sys
 MIN_CACHE_FREE_GIB = 20  # an 8B compile writes several GiB of NEFFs and work files; a full disk fails mid-compile
+MIN_CACHE_FREE_ENV = "QWEN3_NEFF_CACHE_MIN_GIB"  # overrides it (a smaller model, a cache already warm)
 # TorchNeuron keeps compiled NEFFs in TORCH_NEURONX_NEFF_CACHE_DIR (default /tmp/neff_cache) and its local locks
 # in TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR (/tmp/local_cache): torch_neuronx/kernels/cache_utils.py and
 # csrc/core/cache/PersistentCacheBackend.cpp in parmoham-aws/test-repo-parmoham; AWS's page
@@ -205,15 +206,32 @@ def _free_gib(path: Path) -> tuple[float, Path]:
     return shutil.disk_usage(probe).free / 1024**3, probe
 
 
+def _min_cache_free_gib() -> float | None:
+    """The free space the NEFF cache's disk needs: MIN_CACHE_FREE_GIB, or MIN_CACHE_FREE_ENV; None if that is not a
+    number >= 0."""
+    raw = os.environ.get(MIN_CACHE_FREE_ENV, "").strip()
+    if not raw:
+        return MIN_CACHE_FREE_GIB
+    try:
+        need = float(raw)
+    except ValueError:
+        return None
+    return need if need >= 0 else None
+
+
 def _cache_rows() -> list[Check]:
     cache = Path(os.environ.get(NEFF_CACHE_ENV) or NEFF_CACHE_DEFAULT)
     free, probe = _free_gib(cache)
     writable = os.access(probe, os.W_OK)
     source = NEFF_CACHE_ENV if os.environ.get(NEFF_CACHE_ENV) else f"default; {NEFF_CACHE_ENV} unset"
-    ok = writable and free >= MIN_CACHE_FREE_GIB
+    need = _min_cache_free_gib()
+    if need is None:
+        return [Check("NEFF cache", f"{MIN_CACHE_FREE_ENV}={os.environ[MIN_CACHE_FREE_ENV]!r}", "MISSING",
+                      f"set {MIN_CACHE_FREE_ENV} to a number of GiB >= 0, or unset it (default {MIN_CACHE_FREE_GIB})")]
+    ok = writable and free >= need
     fix = ""
     if not ok:
-        fix = (f"{'make ' + str(probe) + ' writable' if not writable else f'free disk there (need >= {MIN_CACHE_FREE_GIB} GiB)'}"
+        fix = (f"{'make ' + str(probe) + ' writable' if not writable else f'free disk there (need >= {need:g} GiB; {MIN_CACHE_FREE_ENV} sets the minimum)'}"
                f", or point {NEFF_CACHE_ENV} at a larger writable disk (e.g. export {NEFF_CACHE_ENV}=/opt/dlami/nvme/neff_cache)")
     rows = [Check("NEFF cache", f"{cache} ({source}): {free:.0f} GiB free{'' if writable else ', not writable'}",
                 "ok" if ok else "MISSING", fix)]

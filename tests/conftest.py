@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,34 @@ def wandb_records(run_dir: Path) -> list[dict]:
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+
+
+# Modules (by node id) with a failed test: their directories stay for the post-mortem.
+_FAILED_MODULES: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _FAILED_MODULES.add(item.module.__name__)
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_directories_go_with_the_module(request, tmp_path_factory):
+    """The directories a module's fixtures make with tmp_path_factory (module-scoped run directories, checkpoints)
+    are removed when the module ends, unless one of its tests failed; pytest itself keeps them to the end of the
+    session, and at ~0.5-1 GB per run directory the suite then needed ~14 GB of disk (CI ran out of it). Set up
+    first among the module's fixtures (autouse), torn down last. Under pytest-xdist each worker has its own base
+    directory and --dist loadfile keeps a module on one worker, so nothing another module uses is removed."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.module.__name__ not in _FAILED_MODULES:
+        for path in set(base.iterdir()) - before:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -136,6 +136,31 @@ def test_doctor_on_a_host_missing_triton_says_install_it(tmp_path):
                             "AWS's Qwen3 guide installs it; requirements-neuron.txt)"]
 
 
+@pytest.mark.parametrize("need, status, fix", [
+    ("", "ok", None),  # the default, 20 GiB: ok where this disk has that much (checked below)
+    ("1e9", "MISSING", "free disk there (need >= 1e+09 GiB; QWEN3_NEFF_CACHE_MIN_GIB sets the minimum), or point "
+                       "TORCH_NEURONX_NEFF_CACHE_DIR at a larger writable disk"),
+    ("-3", "MISSING", "set QWEN3_NEFF_CACHE_MIN_GIB to a number of GiB >= 0, or unset it (default 20)"),
+    ("lots", "MISSING", "set QWEN3_NEFF_CACHE_MIN_GIB to a number of GiB >= 0, or unset it (default 20)"),
+])
+def test_neff_cache_needs_free_disk(tmp_path, monkeypatch, need, status, fix):
+    """The NEFF cache row: >= 20 GiB free on the cache's disk, or what QWEN3_NEFF_CACHE_MIN_GIB says."""
+    import shutil
+
+    from qwen3_research.neuron_host import host_checks
+
+    env = trn2_host(tmp_path)
+    for k in ("PATH", "QWEN3_SYSFS_ROOT", "TORCH_NEURONX_NEFF_CACHE_DIR"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.setenv("QWEN3_NEFF_CACHE_MIN_GIB", need)
+    row = next(r for r in host_checks(1, 1, 2) if r.item == "NEFF cache")
+    if need == "":
+        status = "ok" if shutil.disk_usage(tmp_path).free >= 20 * 1024**3 else "MISSING"
+    assert row.status == status, row
+    if fix is not None:
+        assert row.fix.startswith(fix), row.fix
+
+
 def test_host_rows_one_free_core_is_enough_for_one_process(tmp_path, monkeypatch):
     """In-process: a single-process run (NEURON_RT_NUM_CORES=1) is not blocked by a process holding 60 of 64 cores,
     a 2-rank run needing cores 0-1 is; fi_info's efa provider is counted for two nodes."""
