@@ -11,6 +11,7 @@ torch_neuronx imports.
 from __future__ import annotations
 
 import importlib.util
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -74,10 +75,11 @@ def test_a_target_missing_the_kernels_modules_is_one_config_error(moe_model):
 def test_an_entry_for_modules_the_model_lacks_warns_with_entry_and_pattern(moe_model):
     """moe_fast where there are no experts (kernels=fast on a dense model): nothing to replace, a warning."""
     attention = moe_model.get_submodule("layers.0.attention")  # a real part of the model: RoPE, no experts
-    with pytest.warns(KernelMatchWarning, match=r"kernel entry 'moe_fast' \(target 'layers\.\*\.moe\.routed_experts\."
-                                                r"inner_experts'\) matches no module"):
-        plan = resolve(attention, _cfg([("moe_fast", EXPERTS)]), CPU)
-    assert plan == {"moe_fast": []}
+    for target in (EXPERTS, "type:GroupedExperts"):  # a path; the shipped conf/kernels/moe_fast.yaml's class target
+        with pytest.warns(KernelMatchWarning, match=rf"kernel entry 'moe_fast' \(target '{re.escape(target)}'\) "
+                                                    r"matches no module"):
+            plan = resolve(attention, _cfg([("moe_fast", target)]), CPU)
+        assert plan == {"moe_fast": []}
 
 
 def test_pattern_only_claims_the_kernels_module_type(moe_model):

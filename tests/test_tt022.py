@@ -10,6 +10,7 @@ refusals that only exist on 0.2.x are skipped there.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -239,7 +240,6 @@ def test_verify_kernels_nki_here_fails_with_its_reason(case):
 def _simulated_neuron(monkeypatch):
     """A Neuron host as far as the kernel overrides see it: device type neuron at LNC=2 over CPU tensors,
     the NKI packages found, and the NKI Library kernels replaced by the CPU contract doubles."""
-    from types import SimpleNamespace
 
     from qwen3_research.kernels import nki
     from tests import nki_contract_doubles as dbl
@@ -290,6 +290,31 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
         assert fqns[0] == ("layers.0.moe.experts" if LEGACY else "layers.0.moe.routed_experts.inner_experts")
     kernel = "rope_hf" if option == "nki_rope" else "blockwise_mm_baseline_shard_intermediate"
     assert (kernel, (2,)) in dbl.LAUNCHES  # the double ran: the check is not vacuous
+
+
+def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
+    """kernels=fast (moe_fast + rope_fast, CPU and CUDA) resolves on both torchtitans' module trees (0.2.x:
+    layers.N.moe.experts and the adapter's RoPE module), installs and verifies against the float32 references.
+    Its target was 0.3.x's path, so on AWS's 0.2.x base a GPU run was refused as matching no module."""
+    from qwen3_research import device as devices
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.config import to_run_config
+    from qwen3_research.kernels import apply_overrides
+    from qwen3_research.kernels.verify import verify_plan
+    from qwen3_research.models import build
+
+    rc = to_run_config(compose_resolved(["model=native_moe", "kernels=fast", "data.seq_len=32", "data.batch_size=2"]))
+    devices.prepare_torchtitan("cpu")
+    model = build(rc.model, torch.device("cpu"), seq_len=32, seed=0).model
+    device = SimpleNamespace(type="cpu", lnc=None, torch_device=torch.device("cpu"))
+    plan = apply_overrides(model, rc, device)
+    checks = verify_plan(model, plan, rc, device)
+    print(f"\n[torchtitan {titan.version()}] kernels=fast: " + "; ".join(f"{k}: {len(v)} from {v[0]}" for k, v in plan.items())
+          + " | " + "; ".join(f"{c.shapes} fwd rel {c.fwd_rel:.1e} tol {c.tol:.0e} {'ok' if c.ok else 'FAIL'}" for c in checks))
+    experts = "layers.0.moe.experts" if LEGACY else "layers.0.moe.routed_experts.inner_experts"
+    assert plan["moe_fast"][0] == experts and len(plan["moe_fast"]) == 4
+    assert plan["rope_fast"][0] == "layers.0.attention.rope" and len(plan["rope_fast"]) == 4
+    assert len(checks) == 2 and all(c.ok for c in checks)
 
 
 def test_rope_module_the_adapter_adds_keeps_the_logits():
