@@ -84,7 +84,7 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
-# Modules (by node id) with a failed test: their directories stay for the post-mortem.
+# Modules (by name) with a failed test: their directories stay for the post-mortem.
 _FAILED_MODULES: set[str] = set()
 
 

@@ -134,8 +134,8 @@ def trn2_host(tmp_path: Path, *, held: dict[int, tuple[int, str]] | None = None,
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(pkgs), str(ROOT), out.get("PYTHONPATH", "")) if p)
     out["QWEN3_SYSFS_ROOT"] = str(sysfs)
     out["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(base / "neff_cache")
-    # A trn2.48xlarge has TBs of NVMe; the disk under tmp_path is this machine's (CI's had < 20 GiB free at times):
-    # the simulated host's cache check asks for none. The threshold itself: test_doctor's test_neff_cache_*.
+    # A trn2.48xlarge has TBs of NVMe; the disk under tmp_path is this machine's, which may have less than 20 GiB
+    # free: the simulated host's cache check asks for none. The threshold itself: test_doctor's test_neff_cache_*.
     out["QWEN3_NEFF_CACHE_MIN_GIB"] = "0"
     for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_LOGICAL_NC_CONFIG"):
         out.pop(var, None)
