@@ -175,8 +175,9 @@ def _peak_ratio(device_type: str) -> float:
         return devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
     if device_type == "cuda":  # H100/H200 SXM datasheet: 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK)
         return 989e12 / devices.GPU_FP32_BY_BF16_PEAK[989e12]
-    import torch  # a CPU: its own matmul rates, measured once and cached (device.cached_cpu_peak). Without bf16
-    # units (AVX2-only) bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one (GUIDE §7)
+    # A CPU: its own matmul rates, measured once and cached (device.cached_cpu_peak). Without bf16 units (AVX2-only)
+    # bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one (GUIDE §7).
+    import torch
 
     return devices.cached_cpu_peak(torch.bfloat16) / devices.cached_cpu_peak(torch.float32)
 
