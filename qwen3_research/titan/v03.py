@@ -106,6 +106,10 @@ def parallelize_qwen3(model, parallel_dims, tt) -> None:
     """Shard with torchtitan's Qwen3 plan (FSDP, TP/SP, EP, activation checkpointing)."""
     from torchtitan.models.qwen3 import parallelize_qwen3 as tt_parallelize
 
+    # Before torchtitan's Module.parallelize: under TP/EP it stores each sharded module's bound ``forward`` on
+    # the instance, so a class swapped in afterwards (on the first masked step) is never called and
+    # torchtitan's SDPA raised "does not support attention_masks" (data.document_masking with tp or ep).
+    _masked_sdpa(model)
     tt_parallelize(
         model, parallel_dims=parallel_dims, training=tt.training, parallelism=tt.parallelism,
         compile_config=tt.compile, ac_config=tt.activation_checkpoint, dump_folder=tt.dump_folder,
