@@ -49,6 +49,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
 
     path = find_checkpoint(checkpoint, what="checkpoint")
     out = Path(os.path.expanduser(out_dir)).resolve()
+    _refuse_out_dir_holding_a_run(out, path)  # before --force: replacing out_dir must never delete a run's files
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"out_dir {out} exists and is not empty; choose a new directory or pass --force")
     check_writable(f"out_dir {out}", out)
@@ -101,6 +102,53 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
         report = hf_export.export_hf_backend(backend, out, tokenizer_json=tokenizer.path, inputs=inputs,
                                              reference_logits=logits, max_shard_size=max_shard_size)
     return {**report, "step": step, "checkpoint": str(path)}
+
+
+# What marks a run directory (Hydra's record, the run's own files, its lock) and a checkpoint directory.
+_RUN_MARKERS = (".hydra", "metrics.jsonl", "summary.json", ".qwen3_research.lock")
+_CHECKPOINT_MARKERS = ("meta.json", "owner.json")
+_RUN_EXPORT_DIR = "hf"  # <run dir>/hf: where checkpoint.export_hf=true writes; the one place inside a run to export to
+
+
+def _refuse_out_dir_holding_a_run(out: Path, checkpoint: Path) -> None:
+    """``--force`` replaces out_dir after verification: an out_dir that is, contains or lies inside a run
+    directory or the checkpoint read (its step directory or the directory of checkpoints it is in) is refused
+    whatever --force says (it deleted both training checkpoints, or a run's metrics.jsonl, summary.json and
+    .hydra/). The one exception: ``<run dir>/hf``, the run's own export directory."""
+    protected = [checkpoint, checkpoint.parent]
+
+    def what(d: Path) -> str | None:
+        if d in protected:
+            return "the checkpoint it reads" if d == checkpoint else "the directory of the checkpoint it reads"
+        if any((d / m).exists() for m in _RUN_MARKERS):
+            return "a run directory"
+        if any((d / m).is_file() for m in _CHECKPOINT_MARKERS):
+            return "a checkpoint directory"
+        return None
+
+    found = None
+    for d in (out, *out.parents):  # out itself, or a directory it lies inside
+        kind = what(d)
+        if kind and not (d != out and kind == "a run directory" and out.relative_to(d).parts[0] == _RUN_EXPORT_DIR):
+            found = (d, kind, "is" if d == out else "lies inside")
+            break
+    if found is None and out.is_dir():  # a directory it contains
+        for root, dirs, _files in os.walk(out):
+            for name in dirs:
+                kind = what(Path(root) / name)
+                if kind:
+                    found = (Path(root) / name, kind, "contains")
+                    break
+            if found:
+                break
+    if found is None and checkpoint.is_relative_to(out):
+        found = (checkpoint, "the checkpoint it reads", "contains")
+    if found:
+        d, kind, relation = found
+        where = "" if d == out else f" {d}"
+        raise ConfigError(f"out_dir {out} {relation} {kind}{where}; an export never writes into or replaces a run's "
+                          f"or a checkpoint's files (--force or not): choose an out_dir outside them, e.g. a new "
+                          f"directory next to the run, or <run dir>/{_RUN_EXPORT_DIR}")
 
 
 def _use_init_from(rc, path: Path, init_from: str | None):
