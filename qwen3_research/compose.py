@@ -98,3 +98,66 @@ def is_sweep_value(value: str) -> bool:
         if ch == "," and depth == 0:
             return True
     return value.startswith(_SWEEP_FUNCS)
+
+
+def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> set[str]:
+    """Keys the sweep varies: the sweeper's params plus command-line overrides with sweep syntax."""
+    keys = {str(k) for k in (sweeper_params or {})}
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, _, value = arg.partition("=")
+        if is_sweep_value(value):
+            keys.add(key.lstrip("+~"))
+    return keys
+
+
+# A sweep point's directory name (hydra.sweep.subdir in conf/config.yaml): its number and the swept keys' values,
+# never a fixed override's. Hydra's override_dirname named it after every override with the values verbatim: a `/`
+# in a value (data.files=/data/*.txt, model.path, model.init_from, data.hf.name=org/set) nested each point five
+# directories deep (the report then found no point: "the sweep has no points", exit 2), and ~15 overrides gave
+# `OSError: File name too long`.
+POINT_DIR_MAX = 80  # characters; a longer name keeps its first part and a hash of the whole
+_POINT_VALUE_SAFE = "._-+"  # every other character of a value is percent-encoded (no `/`; reversible: no collisions)
+
+
+def point_dir_name(num, overrides: list[str], swept: set[str] | None) -> str:
+    """``<num>_<key>=<value>,…`` over the swept keys (all overrides when ``swept`` is None, e.g. a launcher that
+    does not see the sweep's command line), values percent-encoded; over POINT_DIR_MAX characters, the first
+    part and a short hash of the whole name."""
+    import hashlib
+    from urllib.parse import quote
+
+    items = []
+    for item in overrides:
+        key, _, value = str(item).partition("=")
+        key = key.lstrip("+~")
+        if key.startswith("hydra.") or key == "logging.wandb.mode" or (swept is not None and key not in swept):
+            continue
+        items.append(f"{quote(key, safe=_POINT_VALUE_SAFE)}={quote(value, safe=_POINT_VALUE_SAFE)}")
+    name = f"{num}_{','.join(items)}" if items else str(num)
+    if len(name) > POINT_DIR_MAX:
+        name = f"{name[:POINT_DIR_MAX - 9]}~{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return name
+
+
+def _point_dir_resolver(*, _root_) -> str:
+    import sys
+
+    from omegaconf import OmegaConf
+
+    hc = _root_.hydra
+    params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
+    swept = swept_keys_of_this_sweep(params, sys.argv[1:]) or None
+    return point_dir_name(hc.job.num, list(hc.overrides.task), swept)
+
+
+def register_resolvers() -> None:
+    """``${qwen3_point_dir:}`` (hydra.sweep.subdir); once per process, before Hydra resolves a job's directory."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("qwen3_point_dir"):
+        OmegaConf.register_new_resolver("qwen3_point_dir", _point_dir_resolver)
+
+
+register_resolvers()

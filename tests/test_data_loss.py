@@ -44,3 +44,41 @@ def test_export_never_replaces_a_run_or_the_checkpoint_it_reads(checkpointed_run
     line = one_line(proc, 2, f"config error: out_dir {out} {relation}")
     assert "--force or not" in line and "pass --force" not in line
     assert tree(run.parent) == before
+
+
+def test_a_point_dir_is_named_after_the_swept_keys_escaped_and_hashed_when_long():
+    """Issue 33 (6): no `/` in a point's directory name, fixed overrides left out, a bounded length."""
+    from qwen3_research.compose import POINT_DIR_MAX, point_dir_name
+
+    fixed = [f"data.files=/data/set{i}/*.txt" for i in range(15)]
+    assert point_dir_name(0, ["model.path=/models/a", *fixed, "training.seed=1"], {"training.seed"}) == "0_training.seed=1"
+    swept = point_dir_name(1, ["data.hf.name=org/set", "model.init_from=/m/x y"], {"data.hf.name", "model.init_from"})
+    assert swept == "1_data.hf.name=org%2Fset,model.init_from=%2Fm%2Fx%20y" and "/" not in swept
+    long = [point_dir_name(2, [f"model.path=/very/long/{'x' * 100}/{n}"], {"model.path"}) for n in (1, 2)]
+    assert all(len(n) == POINT_DIR_MAX and "/" not in n for n in long) and long[0] != long[1]
+    assert point_dir_name(3, [], set()) == "3"
+
+
+@pytest.mark.slow
+def test_a_sweep_with_path_values_and_many_fixed_overrides_keeps_one_dir_per_point(tmp_path):
+    """Issue 33 (6), acceptance c: a 3-point sweep with data=files data.files=<absolute glob> and 15 fixed
+    overrides. It nested each point five directories deep (the `/` of the glob in Hydra's override_dirname), then
+    ended with exit 2 and a false `config error: the sweep has no points` and no report; ~15 overrides gave
+    `OSError: File name too long`. Now: exit 0, the three run dirs directly under the sweep dir, the report."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"d{i}.txt").write_text(f"the king and the queen went to sea on a ship, storm {i}; the crown fell "
+                                          "into the river at night and the morning found it on a stone\n" * 4)
+    sweep = tmp_path / "sweep"
+    fixed = [*[a for a in FAST if not a.startswith("training.steps")], "training.steps=2", "data=files",
+             f"data.files={corpus}/*.txt", "data.val_fraction=0", "optimizer.warmup_steps=0", "optimizer.lr=0.001",
+             "optimizer.weight_decay=0.1", "optimizer.grad_clip=1.0", "training.log_every=1", "model.flavor=tiny"]
+    assert len(fixed) == 15
+    proc = run_cli(["-m", "training.seed=1,2,3", *fixed, f"hydra.sweep.dir={sweep}"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    print(f"\nsweep dir: {points}; last line: {proc.stdout.strip().splitlines()[-1]}")
+    assert points == ["0_training.seed=1", "1_training.seed=2", "2_training.seed=3"]
+    assert all((sweep / p / "summary.json").is_file() and (sweep / p / "metrics.jsonl").is_file() for p in points)
+    assert (sweep / "comparison.md").is_file() and "3 of 3 points ran to the end" in proc.stdout

@@ -12,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.compose import compose_resolved, is_sweep_value
+from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
@@ -23,18 +23,6 @@ def parse_overrides(overrides: list[str]) -> dict[str, str]:
         if not key.startswith("hydra.") and key != "logging.wandb.mode":
             out[key] = value
     return out
-
-
-def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> set[str]:
-    """Keys the sweep varies: the sweeper's params plus command-line overrides with sweep syntax."""
-    keys = {str(k) for k in (sweeper_params or {})}
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, _, value = arg.partition("=")
-        if is_sweep_value(value):
-            keys.add(key.lstrip("+~"))
-    return keys
 
 
 class SweepReport(Callback):
