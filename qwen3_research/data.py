@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from qwen3_research.config import ConfigError, DataConfig, data_files
+from qwen3_research.errors import write_failure
 
 IGNORE_INDEX = -100  # labels F.cross_entropy and qwen3_research.loss skip
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
@@ -194,10 +196,22 @@ def _token_cache(tokenizer: Tokenizer, docs: list[tuple[str, str]]) -> list[np.n
             pass  # a damaged cache file is rebuilt below
     ids = tokenizer.encode_batch([t for _, t in docs])
     arrays = [np.asarray(x, dtype=np.int32) for x in ids]
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, flat=np.concatenate(arrays), lengths=np.array([len(a) for a in arrays]))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, flat=np.concatenate(arrays), lengths=np.array([len(a) for a in arrays]))
+        os.replace(tmp, path)
+    except OSError as e:
+        # The cache only saves the next run ~2.5 s: this run goes on with its tokens in memory. A partial file
+        # left behind held the space, so every later run failed too.
+        tmp.unlink(missing_ok=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            why, fix = write_failure(e, path.parent, "QWEN3_RESEARCH_CACHE")
+            print(f"warning: token cache not written to {path.parent} ({why}); {fix}; this run keeps its tokens in "
+                  "memory", file=sys.stderr, flush=True)
+    except BaseException:  # Ctrl-C, SIGTERM: no partial file either
+        tmp.unlink(missing_ok=True)
+        raise
     return arrays
 
 

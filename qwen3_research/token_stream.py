@@ -15,6 +15,7 @@ of documents whatever the dataset's size; the windows, their seeded order and re
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -25,8 +26,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from qwen3_research.errors import TrainingError, write_failure
+
 CHUNK_DOCS = 256  # documents tokenized at once: what bounds memory (with datasets' own read buffer)
 META = "meta.json"
+# The cache's file system refusing a write (full, quota, file-size limit, read-only, permission).
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def held_out(name: str, val_fraction: float) -> bool:
@@ -84,22 +89,29 @@ def build(directory: Path, documents: Iterator[tuple[str, str]], tokenizer, val_
 def open_or_build(cfg, tokenizer, documents: Callable[[], Iterator[tuple[str, str]]], cache_root: Path) -> tuple[Path, dict]:
     """(the stream's directory, its meta), building it first when no complete one exists."""
     final = cache_root / "tokens" / f"hf-{cache_key(cfg, tokenizer.sha256)}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.with_name(final.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build; whoever waited finds it complete
-        try:
-            return final, json.loads((final / META).read_text())
-        except (OSError, ValueError):
-            shutil.rmtree(final, ignore_errors=True)  # incomplete or damaged: built again
-        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            meta = build(tmp, documents(), tokenizer, cfg.val_fraction, cfg.max_documents)
-            os.replace(tmp, final)
-        finally:
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(final.with_name(final.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build; whoever waited finds it complete
+            try:
+                return final, json.loads((final / META).read_text())
+            except (OSError, ValueError):
+                shutil.rmtree(final, ignore_errors=True)  # incomplete or damaged: built again
+            tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
-        return final, meta
+            try:  # on any failure (a full disk, Ctrl-C) the partial stream goes: it held the space for later runs
+                tmp.mkdir()
+                meta = build(tmp, documents(), tokenizer, cfg.val_fraction, cfg.max_documents)
+                os.replace(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return final, meta
+    except OSError as e:  # the stream is this run's data (data=hf): without it the run cannot train
+        if e.errno not in _WRITE_ERRNOS:  # e.g. the dataset's own read failing: its own error
+            raise
+        why, fix = write_failure(e, final.parent, "QWEN3_RESEARCH_CACHE")
+        raise TrainingError(f"data: cannot write the token stream to {final.parent} ({why}); the partial stream was "
+                            f"removed; {fix}") from None
 
 
 def windows(path: Path, window: int) -> np.ndarray:

@@ -82,3 +82,72 @@ def test_a_sweep_with_path_values_and_many_fixed_overrides_keeps_one_dir_per_poi
     assert points == ["0_training.seed=1", "1_training.seed=2", "2_training.seed=3"]
     assert all((sweep / p / "summary.json").is_file() and (sweep / p / "metrics.jsonl").is_file() for p in points)
     assert (sweep / "comparison.md").is_file() and "3 of 3 points ran to the end" in proc.stdout
+
+
+@pytest.fixture
+def full_cache(tmp_path, monkeypatch):
+    """QWEN3_RESEARCH_CACHE on a 64 KiB tmpfs: a token cache of ~40 k tokens (160 KB) does not fit."""
+    import subprocess
+
+    mnt = tmp_path / "cache"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("this machine does not allow mounting a small tmpfs")
+    monkeypatch.setenv("QWEN3_RESEARCH_CACHE", str(mnt))
+    yield mnt
+    subprocess.run(["umount", str(mnt)])
+
+
+def _words_and_docs(n_docs: int = 400):
+    import random
+
+    words = [f"w{i}" for i in range(50)]
+    r = random.Random(0)
+    return words, [(f"doc{i}", " ".join(r.choice(words) for _ in range(100))) for i in range(n_docs)]
+
+
+def test_a_full_cache_disk_leaves_no_partial_token_cache_and_the_run_goes_on(full_cache, tmp_path, capsys):
+    """Issue 33 (5), data.py: the first run failed (98 lines) and left a partial tokens/*.tmp.npz holding the
+    space, so later runs failed too. Now: one warning naming the directory and QWEN3_RESEARCH_CACHE, the tokens
+    returned (the run trains from memory), no partial file, the space free again; a second time the same."""
+    import shutil
+
+    from qwen3_research.data import Tokenizer, _token_cache
+    from tests.test_token_stream import word_tokenizer
+
+    words, docs = _words_and_docs()
+    tok = Tokenizer(word_tokenizer(tmp_path / "tok", words))
+    for attempt in (1, 2):
+        arrays = _token_cache(tok, docs)
+        err = capsys.readouterr().err.strip().splitlines()
+        print(f"attempt {attempt}: {err}")
+        assert len(arrays) == len(docs) and sum(len(a) for a in arrays) == 100 * len(docs)
+        assert len(err) == 1 and err[0].startswith(f"warning: token cache not written to {full_cache}/tokens (No space "
+                                                   "left on device") and "QWEN3_RESEARCH_CACHE" in err[0]
+        assert not list((full_cache / "tokens").glob("*.tmp*"))
+        assert shutil.disk_usage(full_cache).used < 16 * 1024  # the partial file's space is free again
+
+
+def test_a_full_cache_disk_leaves_no_partial_token_stream_and_says_so_in_one_line(full_cache, tmp_path):
+    """Issue 33 (5), token_stream.py (data=hf): the stream is the run's data, so a full disk ends the run, in one
+    line naming the directory and QWEN3_RESEARCH_CACHE, with no partial stream left (twice: the same line)."""
+    import shutil
+
+    from qwen3_research import token_stream
+    from qwen3_research.config import DataConfig, HFDatasetConfig
+    from qwen3_research.data import Tokenizer
+    from qwen3_research.errors import TrainingError
+    from tests.test_token_stream import word_tokenizer
+
+    words, docs = _words_and_docs()
+    tok = Tokenizer(word_tokenizer(tmp_path / "tok", words))
+    cfg = DataConfig(source="hf", seq_len=16, hf=HFDatasetConfig(name="local/set", streaming=True))
+    for attempt in (1, 2):
+        with pytest.raises(TrainingError) as info:
+            token_stream.open_or_build(cfg, tok, lambda: iter(docs), full_cache)
+        msg = str(info.value)
+        print(f"attempt {attempt}: {msg}")
+        assert "\n" not in msg and msg.startswith(f"data: cannot write the token stream to {full_cache}/tokens (No "
+                                                  "space left on device") and "QWEN3_RESEARCH_CACHE" in msg
+        assert not [p for p in (full_cache / "tokens").iterdir() if ".tmp" in p.name]
+        assert shutil.disk_usage(full_cache).used < 16 * 1024
