@@ -29,7 +29,8 @@ class MoEConfig:
     """Mixture-of-experts routing (qwen3_research.routing): load balancing and routing statistics."""
 
     # auto: model.init_from / model.path a Qwen3-MoE checkpoint -> aux_loss with its router_aux_loss_coef; else bias
-    # (native_moe, torchtitan's default) or none (a backend without an expert bias). none | aux_loss | bias.
+    # (native_moe, torchtitan's default; aux_loss with checkpoint.export_hf=true, as HF has no expert bias:
+    # resolve._balance_for_export) or none (a backend without an expert bias). none | aux_loss | bias.
     balance: str = "auto"
     aux_loss_coef: Optional[float] = None  # balance=aux_loss: None = the checkpoint's router_aux_loss_coef, else 0.001
     bias_coef: float = 1e-3  # balance=bias: torchtitan's load_balance_coeff (expert-bias step per optimizer step)

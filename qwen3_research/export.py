@@ -70,6 +70,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     # The architecture (init_from's config.json when set); the weights come from the checkpoint.
     backend = models.build(rc.model, torch.device("cpu"), seq_len=rc.data.seq_len, seed=rc.training.seed,
                            load_init_from=False)
+    balance = getattr(backend, "balance", None)
+    if balance is not None and balance.mode == "bias":  # before reading any weight
+        raise ConfigError(f"checkpoint {path} was trained with model.moe.balance=bias"
+                          + (f" ({balance.why})" if balance.why.startswith("auto") else "") + ": Hugging Face "
+                          "Qwen3-MoE has no expert bias (it only chooses the experts, so it cannot be folded into the "
+                          "router weights) and the export would route differently; resume it from the DCP checkpoint, "
+                          "or train with model.moe.balance=aux_loss to export")
     if hasattr(backend, "materialize"):
         backend.materialize()
     tensors = model_tensors(backend.model)

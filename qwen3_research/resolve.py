@@ -7,7 +7,8 @@ them refuse the same configurations with the same one line, in the same order:
 
 1. the config: ``config.validate``, after the auto settings are resolved (``training.mixed_precision=auto``:
    bf16 on neuron, none elsewhere; ``training.loss=auto``: chunked on cpu, full on cuda and neuron;
-   ``checkpoint.resume=auto`` for a Slurm job started again after requeue);
+   ``checkpoint.resume=auto`` for a Slurm job started again after requeue; ``model.moe.balance=auto``: aux_loss
+   with ``checkpoint.export_hf=true`` where the backend's default is the expert bias, which HF cannot hold);
 2. the model backend's own rules (``models.check``) and facts (``models.describe``: heads, experts);
 3. the device: its type, the LNC, ``parallelism.nproc_per_node=-1`` (every device of the host);
 4. the parallel degrees (``parallel.validate_degrees``; under torchrun against the world it started) and the
@@ -221,7 +222,27 @@ def _resolved_dict(cfg: DictConfig | dict | RunConfig) -> dict:
     else:
         cfg = copy.deepcopy(cfg)  # the caller's dict is never written
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}
-    return _resume_when_requeued(resolve_auto_settings(_loss_for_backend(cfg)))
+    return _resume_when_requeued(resolve_auto_settings(_balance_for_export(_loss_for_backend(cfg))))
+
+
+def _balance_for_export(cfg: dict) -> dict:
+    """``model.moe.balance=auto`` with ``checkpoint.export_hf=true``: the auxiliary loss where the backend's own
+    default is the expert bias. Hugging Face's Qwen3-MoE has no expert bias: torchtitan adds it to the router's
+    scores only to choose the experts (the gate weights stay unbiased), so no change of the router weights carries
+    it and the exported model would route differently (``models.check_run`` refuses balance=bias there)."""
+    from qwen3_research.models import registry
+
+    model, ck = cfg.get("model") or {}, cfg.get("checkpoint") or {}
+    moe = model.get("moe") or {}
+    if not ck.get("export_hf") or moe.get("balance", "auto") != "auto" or not model.get("backend"):
+        return cfg
+    try:
+        spec = registry.get(model["backend"], model.get("module"))
+    except ConfigError:
+        return cfg  # an unknown backend: validation names it
+    if spec.balance_modes[:1] != ("bias",):
+        return cfg
+    return {**cfg, "model": {**model, "moe": {**moe, "balance": "aux_loss"}}}
 
 
 def _loss_for_backend(cfg: dict) -> dict:

@@ -164,6 +164,19 @@ def _hf_state(model, model_config) -> dict:
     return titan.state_dict_adapter(model_config).to_hf(sd)
 
 
+def _dropped_native_tensors(model) -> list[str]:
+    """Non-zero native-only tensors ``_hf_state`` leaves out (torchtitan's MoE expert bias), with their size."""
+    from qwen3_research import titan
+
+    out = []
+    for k, v in _unwrap(model).state_dict().items():
+        if titan.native_only_buffer(k):
+            peak = float(_local(v).float().abs().max()) if _local(v).numel() else 0.0
+            if peak > 0:
+                out.append(f"{k} (max |value| {peak:.3g})")
+    return out
+
+
 def write_sharded(hf_sd: dict, tmp: Path, mapping: dict[str, int]) -> list[str]:
     """Collective: each rank writes its shards, then the consolidated files are built file by file."""
     import torch.distributed.checkpoint as dcp
@@ -290,9 +303,14 @@ def _export_native(backend, out_dir: Path, tmp: Path, is_main: bool, *, tokenize
                 error = (f"HF export {out_dir} does not reload cleanly: missing={report['missing_keys'][:3]} "
                          f"unexpected={report['unexpected_keys'][:3]} mismatched={report['mismatched_keys'][:3]}")
             elif not report["max_abs_logit_diff"] <= LOGIT_TOL[compute_dtype]:
+                # Every written tensor is the trained one here: name what the HF layout does not hold, not a tensor.
+                dropped = _dropped_native_tensors(backend.model)
                 error = (f"HF export {out_dir}: reloaded logits differ by {report['max_abs_logit_diff']:.3g} > "
-                         f"{LOGIT_TOL[compute_dtype]:g} ({compute_dtype}); worst tensor {worst} "
-                         f"(max |diff| {diffs[worst]:.3g})")
+                         f"{LOGIT_TOL[compute_dtype]:g} ({compute_dtype}) although all {len(diffs)} written tensors "
+                         "equal the trained ones (max |diff| 0); "
+                         + (f"not exported (no Hugging Face counterpart): {', '.join(dropped[:3])}"
+                            + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "") if dropped
+                            else "transformers computes this model differently from the trained one"))
     except ExportError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a rank's write error (DCP wraps it): an export failure on every rank

@@ -49,6 +49,11 @@ def check_run(rc: RunConfig) -> None:
     if rc.data.document_masking and not s.document_masking:
         raise ConfigError(f"data.document_masking=true: model={s.name} takes no per-document positions; use "
                           f"data.document_masking=false or a backend that does ({[n for n in registry.in_tree() if registry.get(n).document_masking]})")
+    if rc.checkpoint.export_hf and rc.model.moe.balance == "bias" and "bias" in s.balance_modes:
+        raise ConfigError("checkpoint.export_hf=true with model.moe.balance=bias: Hugging Face Qwen3-MoE has no expert "
+                          "bias (it only chooses the experts, so it cannot be folded into the router weights) and the "
+                          "export would route differently; use model.moe.balance=aux_loss (or auto), or "
+                          "checkpoint.export_hf=false")
     if s.check_run is not None:
         s.check_run(rc)
 
