@@ -164,6 +164,7 @@ def trace_rank(run, rank: int, world: int) -> RankPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from qwen3_research import titan
     from qwen3_research.memory import tracked
     from qwen3_research.trainer import RunInfo, Trainer
 
@@ -180,7 +181,8 @@ def trace_rank(run, rank: int, world: int) -> RankPlan:
                 FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(run, RunInfo(run_dir=run_dir))
             _optimizer_state_as_after_one_step(trainer)
-            _, cats, peak, most = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
+            with titan.balanced_expert_exchange():  # after the Trainer imported torchtitan for its device
+                _, cats, peak, most = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
             even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
             kp = trainer.kernel_plan
             lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()

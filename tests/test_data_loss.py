@@ -217,3 +217,25 @@ def test_moe_hf_export_by_default_exports_and_a_bias_checkpoint_is_refused_by_th
     line = one_line(proc, 2, f"config error: checkpoint {biased}/checkpoints/step-00000001 was trained with "
                              "model.moe.balance=bias")
     assert "model.moe.balance=aux_loss" in line and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_the_planner_traces_expert_parallel_layouts_and_fit_searches_them():
+    """Issue 33 (2): `python -m qwen3_research.plan model=native_moe parallelism=ep2` (and `--fit`) exited 1 with a
+    144-line `DataDependentOutputException: aten._local_scalar_dense.default`: torchtitan's all-to-all dispatcher
+    reads the exchanged token counts on the host, which fake tensors do not have. The plan now gives the exchange
+    the balanced split (`titan.balanced_expert_exchange`): both ranks traced, a verdict; --fit traces EP variants."""
+    import json
+
+    args = ["model=native_moe", "parallelism=ep2", "data.seq_len=32", "data.batch_size=2"]
+    proc = run_cli([*args, "--json"], module="qwen3_research.plan", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\n{[ln for ln in proc.stdout.splitlines() if ln.startswith(('plan:', 'peak', 'capacity'))]}")
+    assert "ep=2" in proc.stdout and "traced r1" in proc.stdout and plan["verdict"].startswith("fits")
+    assert set(plan["per_rank_peak_bytes"]) == {"0", "1"}
+    fit = run_cli([*args, "--fit"], module="qwen3_research.plan", timeout=600)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    suggestions = [ln.strip() for ln in fit.stdout.splitlines() if ln.strip().startswith("model=native_moe")]
+    print(f"fit: {suggestions}")
+    assert suggestions and all("parallelism=ep2" in s for s in suggestions)

@@ -6,6 +6,8 @@ between 0.2.x and 0.3.x. Nothing here imports torchtitan at module import.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 
@@ -187,3 +189,36 @@ def flex_attention_masks(model, batch: int, seq_len: int, device):
     positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
     return model.get_attention_masks(positions=positions)
 
+
+
+@contextlib.contextmanager
+def balanced_expert_exchange():
+    """The memory plan's expert-parallel token exchange: every rank sends and receives the balanced count.
+
+    Under expert parallelism torchtitan's all-to-all dispatcher reads the exchanged per-expert token counts back
+    on the host (``AllToAllTokenDispatcher._sync_token_count_exchange``: ``tolist``) to size its variable
+    all-to-all; fake tensors have no values (``DataDependentOutputException: aten._local_scalar_dense``). While
+    planning, the split sizes are None instead, which ``all_to_all_single`` reads as equal splits: each of the
+    ep ranks gets 1/ep of every rank's routed tokens, the balanced routing a plan assumes (an unbalanced step
+    holds more on the busier ranks). The counts tensor itself (used for the expert-major permutation and the
+    grouped matmul's offsets, shapes only) is passed on unchanged. A torchtitan without that method: no change."""
+    try:
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    except ImportError:
+        AllToAllTokenDispatcher = None
+    original = getattr(AllToAllTokenDispatcher, "_sync_token_count_exchange", None)
+    if original is None:
+        yield
+        return
+
+    def balanced(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size):
+        import torch
+
+        counts = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e)
+        return counts.reshape(-1), None, None
+
+    AllToAllTokenDispatcher._sync_token_count_exchange = balanced
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher._sync_token_count_exchange = original
