@@ -99,12 +99,11 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, max_shard_size="5GB", fo
     except ConfigError:  # the run's data is not available here: a seeded random batch instead
         inputs = torch.randint(0, tokenizer.vocab_size, (2, rc.data.seq_len), generator=torch.Generator().manual_seed(0))
     backend.model.eval()
-    with torch.no_grad():
-        logits = backend.forward(inputs).float()
+    logits, dtype = hf_export.reference_logits(backend, inputs, hf_export.compute_dtype(rc, backend))
     if hasattr(backend, "flavor"):
         report = hf_export.export_native(backend, out, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id,
-                                         inputs=inputs, reference_logits=logits,
-                                         compute_dtype=hf_export.compute_dtype(rc, backend), max_shard_size=max_shard_size)
+                                         inputs=inputs, reference_logits=logits, compute_dtype=dtype,
+                                         max_shard_size=max_shard_size)
     else:
         report = hf_export.export_hf_backend(backend, out, tokenizer_json=tokenizer.path, inputs=inputs,
                                              reference_logits=logits, max_shard_size=max_shard_size)

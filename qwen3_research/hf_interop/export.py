@@ -20,6 +20,8 @@ tie setting, eps of an init_from model), weights are written in the parameters' 
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import shutil
@@ -406,6 +408,20 @@ def compute_dtype(cfg, backend) -> str:
     return "bfloat16"
 
 
+@torch.no_grad()
+def reference_logits(backend, inputs: torch.Tensor, compute_dtype: str) -> tuple[torch.Tensor, str]:
+    """(the trained model's float32 logits on ``inputs``, the dtype they were computed in): a MoE whose experts run
+    in bfloat16 is computed with float32 experts where torchtitan allows it (``titan.float32_experts``), as
+    transformers computes the reload; its bf16 rounding, which near-tie routing amplifies on a few tokens (0.056),
+    is then not charged to the export. Collective under a sharded model (every rank runs the forward)."""
+    from qwen3_research import titan
+
+    with titan.float32_experts(backend.model) if compute_dtype == "bfloat16" else contextlib.nullcontext(False) as f32:
+        logits = backend.forward(inputs)
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits.float(), "float32" if f32 else compute_dtype
+
+
 def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torch.device, tokenizer,
                    compute_dtype: str) -> dict | None:
     """A run's model (possibly sharded) -> ``out_dir``, verified against its own logits on ``inputs``.
@@ -415,11 +431,9 @@ def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torc
     """
     model = backend.model
     model.eval()
-    with torch.no_grad():
-        logits = backend.forward(inputs.to(device))
-        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    logits, compute_dtype = reference_logits(backend, inputs.to(device), compute_dtype)
     model.train()
-    logits = logits.float().cpu()
+    logits = logits.cpu()
     if hasattr(backend, "flavor"):
         return export_native(backend, out_dir, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
                              reference_logits=logits, compute_dtype=compute_dtype)

@@ -22,7 +22,8 @@ the device type at import. Importing this facade imports no torchtitan module.
 from __future__ import annotations
 
 from qwen3_research.titan import v03 as api  # torchtitan 0.3.x
-from qwen3_research.titan.common import (NEURON_GROUP_ALIGN, balanced_expert_exchange, clip_grad_norm_, distribution, flex_attention_masks,
+from qwen3_research.titan.common import (NEURON_GROUP_ALIGN, balanced_expert_exchange, clip_grad_norm_, distribution,
+                                         flex_attention_masks, float32_experts,
                                          gpu_peak_flops, legacy, native_only_buffer, padded_groups, version)
 from qwen3_research.titan.common import align_token_groups as _align_token_groups
 
