@@ -381,4 +381,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen3_research.startup import run_tool
+
+    sys.exit(run_tool(main, "the doctor was stopped"))
