@@ -1,0 +1,120 @@
+"""Issue 33's weak cases: each ends in one line (``config error: …`` exit 2 naming the key and the fix, 130 for
+Ctrl-C) or in the correct behaviour, with nothing lost. In-process where the case allows; a cold process only where
+the case is the process itself (a signal, a CLI's exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen3_research.compose import compose
+from qwen3_research.config import validate
+from qwen3_research.errors import ConfigError
+from tests.conftest import ROOT, cli_env
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+# -- value checks ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, start", [
+    # crashed in AdamW's foreach kernel ("value cannot be converted to type float without overflow"), 40 lines
+    ("optimizer.lr=1e308", "optimizer.lr=1e+308 must be in (0, 1]"),
+    ("parallelism.rdzv_timeout_s=-1", "parallelism.rdzv_timeout_s must be >= 1"),  # trained, silently
+    # said "must be a multiple of data.seq_len×dp×grad_accum=32": 0 is one
+    ("data.global_batch_tokens=0", "data.global_batch_tokens must be >= 1"),
+    ("logging.wandb.init_timeout=-1", "logging.wandb.init_timeout must be > 0"),  # trained, silently
+    ("model.moe.bias_coef=1e308", "model.moe.bias_coef=1e+308 must be in (0, 1]"),  # trained into inf biases
+])
+def test_a_value_out_of_range_is_one_config_error(override, start):
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=native_moe", override] if "moe" in override else [override]))
+    print(f"{override}: config error: {e.value}")
+    assert str(e.value).startswith(start) and "\n" not in str(e.value)
+
+
+# -- the tools' arguments -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, argv, start", [
+    ("plan", ["-m", "parallelism.tp=1,2"], "config error: plan: unknown option -m (a sweep: run it"),  # a lexer error
+    ("plan", ["--bogus"], "config error: plan: unknown option --bogus; plan takes one run's overrides"),
+    ("verify_kernels", ["--bogus"], "config error: verify_kernels: unknown option --bogus"),  # was ignored
+])
+def test_an_unknown_option_is_one_config_error(capsys, module, argv, start):
+    import importlib
+
+    status = importlib.import_module(f"qwen3_research.{module}").main(argv)
+    err = lines(capsys.readouterr().err)
+    print(f"{module} {' '.join(argv)}: exit {status}: {err}")
+    assert status == 2 and len(err) == 1 and err[0].startswith(start)
+
+
+def _run_dir(path: Path, loss: float) -> Path:
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text("- training.steps=1\n")
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "tokens_per_s": 10.0}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"status": "ok", "steps": 1, "final_loss": loss}))
+    return path
+
+
+def test_compare_counts_each_run_once(tmp_path, capsys):
+    """`compare D D` (or a sweep dir and one of its runs) listed every run twice and tallied "4 ok" for 2 runs."""
+    from qwen3_research import compare
+
+    sweep = tmp_path / "sweep"
+    _run_dir(sweep / "0_a", 2.0), _run_dir(sweep / "1_b", 3.0)
+    status = compare.main([str(sweep), str(sweep), str(sweep / "0_a"), "--out", str(tmp_path / "cmp")])
+    rows = (tmp_path / "cmp" / "comparison.csv").read_text().splitlines()[1:]
+    print(f"exit {status}: {len(rows)} rows: {rows}")
+    assert status == 0 and len(rows) == 2 and "2 ok;" in capsys.readouterr().out
+
+
+# -- Ctrl-C in a tool -----------------------------------------------------------------------------------------------
+
+SIGINT_AT_IMPORT = '''
+import os, signal, sys
+
+class SigintAtImport:
+    """Ctrl-C while the tool imports one of its modules (inside its main(), after the process started)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
+            open(os.environ["MARKER"], "w").write(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAtImport())
+'''
+
+
+@pytest.mark.parametrize("tool, args, trigger, stopped", [
+    ("plan", ["training.steps=1"], "qwen3_research.planner", "the plan was stopped; nothing was written"),
+    ("plan", ["--fit", "training.steps=1"], "qwen3_research.fit", "the plan was stopped; nothing was written"),
+    ("doctor", [], "qwen3_research.resolve", "the doctor was stopped"),
+    ("verify_kernels", ["kernels=moe_fast", "model=native_moe"], "qwen3_research.resolve", "no kernel was verified"),
+    ("compare", ["SWEEP"], "qwen3_research.report", "the report may be incomplete"),
+], ids=["plan", "plan-fit", "doctor", "verify_kernels", "compare"])
+def test_ctrl_c_in_a_tool_is_one_line(tmp_path, tool, args, trigger, stopped):
+    """Each printed a 22-53-line KeyboardInterrupt traceback (the run itself: one line, exit 130)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    marker = tmp_path / "fired"
+    if args == ["SWEEP"]:
+        args = [str(_run_dir(tmp_path / "sweep" / "0_a", 2.0).parent), "--out", str(tmp_path / "cmp")]
+    proc = subprocess.run([sys.executable, "-m", f"qwen3_research.{tool}", *args], cwd=ROOT,
+                          env=cli_env(PYTHONPATH=str(hook), TRIGGER=trigger, MARKER=str(marker)), capture_output=True,
+                          text=True, timeout=300)
+    assert marker.exists(), f"{trigger} was never imported\n{proc.stderr[-2000:]}"
+    err = lines(proc.stderr)
+    print(f"{tool}: exit {proc.returncode}: {err}")
+    assert proc.returncode == 130 and err == [f"interrupted by SIGINT; {stopped}"], proc.stderr[-3000:]
