@@ -118,3 +118,75 @@ def test_ctrl_c_in_a_tool_is_one_line(tmp_path, tool, args, trigger, stopped):
     err = lines(proc.stderr)
     print(f"{tool}: exit {proc.returncode}: {err}")
     assert proc.returncode == 130 and err == [f"interrupted by SIGINT; {stopped}"], proc.stderr[-3000:]
+
+
+# -- resume ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, saved, now, overrides", [
+    ("model.moe.balance", "aux_loss", "none", ["model=native_moe"]),
+    ("data.document_masking", True, False, []),
+], ids=["moe-balance", "document-masking"])
+def test_a_resume_across_a_training_setting_is_refused(tmp_path, monkeypatch, key, saved, now, overrides):
+    """model.moe.balance aux_loss -> none and data.document_masking true -> false resumed silently and rewrote the
+    run's recorded config (no tensor differs, so the model-shape check let them through). The checkpoint's
+    meta.json is the composed config with the saved value; ``preflight`` is what the launcher runs first."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research.config import to_run_config
+    from qwen3_research.run import checkpoint
+
+    section, name = key.split(".", 1)
+    cfg = compose([*overrides, f"{key}={str(now).lower()}", "checkpoint.resume=auto"])
+    recorded = OmegaConf.to_container(cfg, resolve=True)
+    node = recorded[section]
+    for part in name.split(".")[:-1]:
+        node = node[part]
+    node[name.split(".")[-1]] = saved
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": recorded["model"], "config": recorded}))
+    monkeypatch.setattr(checkpoint, "find_checkpoint", lambda *a, **k: ckpt)
+    with pytest.raises(ConfigError) as e:
+        checkpoint.preflight(to_run_config(cfg), tmp_path)
+    show = str(saved).lower()
+    print(f"{key}: config error: {e.value}")
+    assert str(e.value).startswith(f"checkpoint.resume=auto: {ckpt} was trained with {key}={show}, but this run sets "
+                                   f"{key}={str(now).lower()}") and f"resume with {key}={show}" in str(e.value)
+    node[name.split(".")[-1]] = now  # the same value: resumes
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": recorded["model"], "config": recorded}))
+    checkpoint.preflight(to_run_config(cfg), tmp_path)
+
+
+def test_a_sigterm_during_the_final_export_is_redone_on_resume(tmp_path):
+    """SIGTERM while checkpoint.export_hf writes at the end of the run: the resume said "already complete" (the last
+    step is checkpointed) and the export never happened. Now the run is complete once its summary says ok, which is
+    written after the export: the resume exports from the last checkpoint, and then the run is complete."""
+    import signal
+    import time
+
+    from tests.conftest import FAST, assert_ok, run_cli
+
+    run = tmp_path / "r"
+    args = [*FAST, "training.steps=1", "optimizer.warmup_steps=0", "checkpoint.enable=true", "checkpoint.export_hf=true"]
+    proc = subprocess.Popen([sys.executable, "-m", "qwen3_research", *args, f"hydra.run.dir={run}"], cwd=ROOT,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(run.glob(".hf.tmp-export*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # while the export writes
+    out, err = proc.communicate(timeout=240)
+    print(f"SIGTERM during the export: exit {proc.returncode}: {lines(err)}")
+    assert proc.returncode == 143 and not (run / "hf").exists(), err[-3000:]
+    assert (run / "checkpoints" / "step-00000001").is_dir()
+
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)
+    assert_ok(resumed)
+    said = [ln for ln in lines(resumed.stdout) if ln.startswith(("resume:", "already complete"))]
+    print(f"resume: exit {resumed.returncode}: {said}")
+    assert said and said[0].startswith(f"resume: {run}/checkpoints/step-00000001 is at training.steps=1, but the run's "
+                                       "HF export (checkpoint.export_hf) did not finish; exporting it now")
+    assert (run / "hf" / "config.json").is_file() and json.loads((run / "summary.json").read_text())["status"] == "ok"
+    again = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)  # now it is complete
+    assert_ok(again)
+    assert lines(again.stdout)[-1].startswith("already complete:")

@@ -31,6 +31,9 @@ WANDB_STATE_FILE = "wandb_run.json"
 SUMMARY = "summary.json"
 
 
+_SAID: set[str] = set()
+
+
 class AlreadyComplete(Exception):
     """A resume of a run that has nothing left to train: say so, exit 0, write nothing."""
 
@@ -113,8 +116,17 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
             "(nothing to do) or more to continue"
         )
     if step == steps:
-        raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
-                              "(raise training.steps to train further)")
+        # A run with checkpoint.export_hf is complete once its export is: the summary (status ok, this step) is
+        # written after it. Stopped during the export (a SIGTERM, a kill), the resume redoes the export from the
+        # last checkpoint instead of calling the run complete without one.
+        if not rc.checkpoint.export_hf or (summary or {}).get("status") == "ok" and summary.get("steps") == step:
+            raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
+                                  "(raise training.steps to train further)")
+        line = (f"resume: {found} is at training.steps={steps}, but the run's HF export (checkpoint.export_hf) did "
+                f"not finish; exporting it now to {run_dir / 'hf'}")
+        if line not in _SAID:  # checked before Hydra and again in launch.elastic.run: said once
+            _SAID.add(line)
+            print(line, flush=True)
     if dp is not None and batch_size is not None:
         from qwen3_research import models
         from qwen3_research.run.checkpoint import refuse_layout_change
