@@ -190,3 +190,21 @@ def test_a_sigterm_during_the_final_export_is_redone_on_resume(tmp_path):
     again = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)  # now it is complete
     assert_ok(again)
     assert lines(again.stdout)[-1].startswith("already complete:")
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, start", [
+    (b"\x00" * 4096, "is not a text file (a NUL byte at character 0): it looks binary"),  # trained silently
+    (b"\x01\x02\x1b\x7f" * 100, "holds only control characters, no text"),
+], ids=["nul-bytes", "control-characters"])
+def test_a_corpus_file_without_text_is_refused_by_name(tmp_path, content, start):
+    from qwen3_research.data import file_documents
+
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question " * 40)
+    (tmp_path / "b.txt").write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        file_documents(str(tmp_path / "*.txt"), "text")
+    print(f"config error: {e.value}")
+    assert str(e.value).startswith(f"data.files: {tmp_path}/b.txt {start}")
