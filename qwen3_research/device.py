@@ -121,6 +121,37 @@ def resolve_nproc_per_node(requested: int, device_type: str, lnc: int | None) ->
     return 1
 
 
+# The memory controller's limit of this process's cgroup, as a container sees its own (v2, then v1); "max" or
+# a v1 value near 2**63 (page-rounded) means none.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory() -> tuple[int, str]:
+    """Bytes of RAM this host's processes may use together, and where the figure came from: the cgroup's memory
+    limit when there is one below the host's RAM (a container, a Slurm job with memory cgroups), else the RAM.
+    The planner once credited every CPU rank with the whole host RAM, whatever the container allowed."""
+    import psutil
+
+    total, source = int(psutil.virtual_memory().total), "host RAM"
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            return int(text), f"cgroup limit {path}"
+        break
+    return total, source
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
     """``nproc_per_node=-1`` where the run's device is not known: the launcher's world size if given,
     else every device of this host (its default device type, LNC from the environment)."""
@@ -357,7 +388,8 @@ class Device:
             self.peak_reset = "VmHWM" if self._hwm_resettable else "ru_maxrss baseline"
 
     def capacity_bytes(self) -> int:
-        """Memory one rank can use: HBM of this rank's (logical) core / GPU, host RAM on cpu."""
+        """Memory one rank can use: HBM of this rank's (logical) core / GPU; on cpu the host RAM (or its cgroup
+        limit) divided among the ranks on this host."""
         if self._capacity is None:
             if self.type == "cuda":
                 self._capacity = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
@@ -366,10 +398,8 @@ class Device:
                 # logical core's HBM (~24 GiB at LNC=2 on trn2: 96 GiB per 8-core chip). The index is
                 # the rank's PyTorch device index (= local rank; NeuronDevice.cpp get_vnc_id).
                 self._capacity = int(torch.neuron.get_device_properties(self.local_rank).total_memory)
-            else:
-                import psutil
-
-                self._capacity = int(psutil.virtual_memory().total)
+            else:  # the host's memory (its cgroup limit) is shared by the ranks on it
+                self._capacity = host_memory()[0] // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return self._capacity
 
     def memory(self) -> MemoryStats:
