@@ -49,6 +49,13 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
+# CPU ranks per core a run may start without parallelism.oversubscribe=true. Each rank is a whole process (its own
+# torch, ~0.4 GiB before any tensor; a gloo group of N ranks opens N-1 connections per rank): 20000 ranks on 2 cores
+# was accepted and never started. The tests run 4 ranks on 2 cores (gloo ranks mostly wait on each other), so the
+# limit is well above the cores, not at them.
+CPU_RANKS_PER_CORE = 8
+
+
 @dataclass
 class ParallelismConfig:
     nproc_per_node: int = -1  # -1 (auto): every device of the host (logical NeuronCores at the LNC, GPUs; 1 on cpu)
@@ -61,6 +68,7 @@ class ParallelismConfig:
     activation_checkpoint: str = "none"  # none | selective | full
     rdzv_endpoint: str = "127.0.0.1:0"  # 0 = pick a free port (single node)
     rdzv_timeout_s: int = 300  # multi-node: a node that has not met the others by then fails (one line)
+    oversubscribe: bool = False  # cpu: allow more than CPU_RANKS_PER_CORE ranks per core of this host
 
 
 @dataclass

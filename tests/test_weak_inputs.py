@@ -226,3 +226,59 @@ def test_a_failed_rank_is_one_line_without_the_agents_traceback(tmp_path):
     assert proc.returncode == 1 and err == ["error: rank 1 failed (exit code 1): RuntimeError: injected failure at step 1 "
                                             "on rank 1 (training.fault=raise@1:rank1)"], proc.stderr[-3000:]
     assert "in _inject_fault" in (run / "__main__.log").read_text()
+
+
+# -- CPU ranks and their memory ---------------------------------------------------------------------------------------
+
+
+def test_cpu_ranks_far_above_the_cores_are_refused_unless_forced(monkeypatch):
+    """parallelism.nproc_per_node=20000 on 2 cores was accepted by the doctor and the run. The limit is 8 ranks per
+    core (the tests run 4 ranks on 2 cores); parallelism.oversubscribe=true starts them anyway; a plan is not refused."""
+    from qwen3_research import device as devices
+    from qwen3_research.resolve import resolve_run
+
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        resolve_run(compose(["device=cpu", "parallelism.nproc_per_node=20000"]), kernels=False)
+    print(f"config error: {e.value}")
+    assert str(e.value) == ("parallelism.nproc_per_node=20000 starts 20000 CPU ranks on the 2 core(s) this process may "
+                            "use, more than 8 per core (each rank is a whole process with its own torch); use at most 16, "
+                            "or start them anyway with parallelism.oversubscribe=true")
+    for ok in (["parallelism.nproc_per_node=16"], ["parallelism.nproc_per_node=4"],
+               ["parallelism.nproc_per_node=20000", "parallelism.oversubscribe=true"]):
+        assert resolve_run(compose(["device=cpu", *ok]), kernels=False).nproc_per_node in (4, 16, 20000)
+    assert resolve_run(compose(["device=cpu", "parallelism.nproc_per_node=20000"]), plan=True, kernels=False)
+
+
+def test_the_doctor_refuses_cpu_ranks_far_above_the_cores(capsys):
+    from qwen3_research import doctor
+    from qwen3_research.device import cpu_cores
+
+    n = 8 * cpu_cores() + 1
+    status = doctor.main(["device=cpu", f"parallelism.nproc_per_node={n}"])
+    fixes = [ln for ln in lines(capsys.readouterr().out) if ln.startswith("- run config:")]
+    print(f"exit {status}: {fixes}")
+    assert status == 1 and len(fixes) == 1 and f"parallelism.nproc_per_node={n} starts {n} CPU ranks" in fixes[0]
+
+
+@pytest.mark.parametrize("limit, ranks, want", [
+    ("8589934592", 4, (2.0, "GiB cgroup limit")),  # a container of 8 GiB, 4 ranks: 2 GiB each
+    ("max", 2, None),  # cgroup v2 without a limit: the host's RAM, halved
+], ids=["cgroup-limit-over-4-ranks", "no-limit-over-2-ranks"])
+def test_a_cpu_ranks_plan_capacity_is_its_share_of_the_cgroup_limit(tmp_path, monkeypatch, limit, ranks, want):
+    """The planner credited every CPU rank with the whole host RAM: 4 ranks in an 8 GiB container were each
+    told they had the host's 24 GiB."""
+    import psutil
+
+    from qwen3_research import device as devices
+    from qwen3_research.config import to_run_config
+    from qwen3_research.planner import capacity
+
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    monkeypatch.setattr(devices, "CGROUP_MEMORY_LIMITS", (str(tmp_path / "memory.max"),))
+    gib, source = capacity(to_run_config(compose(["device=cpu"])), ranks)
+    print(f"{gib:.2f} GiB per rank ({source})")
+    if want is None:
+        assert gib == pytest.approx(psutil.virtual_memory().total / ranks / 1024**3) and "host RAM / 2 ranks" in source
+    else:
+        assert gib == pytest.approx(want[0]) and want[1] in source and f"/ {ranks} ranks" in source
