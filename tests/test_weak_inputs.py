@@ -282,3 +282,34 @@ def test_a_cpu_ranks_plan_capacity_is_its_share_of_the_cgroup_limit(tmp_path, mo
         assert gib == pytest.approx(psutil.virtual_memory().total / ranks / 1024**3) and "host RAM / 2 ranks" in source
     else:
         assert gib == pytest.approx(want[0]) and want[1] in source and f"/ {ranks} ranks" in source
+
+
+# -- sweep planning -----------------------------------------------------------------------------------------------------
+
+
+def test_sweep_points_that_differ_only_in_seed_or_lr_share_one_plan(tmp_path, monkeypatch):
+    """Sweep planning traced every point (~1-4 s each) even when only training.seed or optimizer.lr differed, and
+    printed torchtitan's "Total parameter count" line per point. Points with the same planned shape now share one
+    trace; each point's own values are still validated (seed=-1 is a config error, not the shared plan)."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research import planner
+    from qwen3_research.launch import sweep
+
+    base = ["training.steps=1", "data.seq_len=32", "data.batch_size=2"]
+    jobs = [[*base, "training.seed=0"], [*base, "training.seed=1"], [*base, "training.seed=1", "optimizer.lr=1e-3"],
+            [*base, "training.seed=-1"], ["training.steps=1", "data.seq_len=64", "data.batch_size=2", "training.seed=0"]]
+    traced = []
+    real = planner.make_plan
+    monkeypatch.setattr(planner, "make_plan", lambda composed, **k: traced.append(composed) or real(composed, **k))
+    monkeypatch.setattr(sweep, "sweep_jobs", lambda config: jobs)
+    config = OmegaConf.create({"hydra": {"job": {"config_name": "config"}, "runtime": {"config_sources": []},
+                                         "sweeper": {"params": None}}, "sweep": {"plan": True}})
+    echoed = []
+    entries = sweep.plan_points(config, tmp_path, echo=echoed.append)
+    print("\n".join(echoed))
+    got = [entries[sweep._point_key(j)] for j in jobs]
+    assert len(traced) == 2  # seq_len 32 once, seq_len 64 once
+    assert got[0]["predicted_peak_gib"] == got[1]["predicted_peak_gib"] == got[2]["predicted_peak_gib"]
+    assert got[3]["error"].startswith("config error: training.seed must be in [0, ")
+    assert [c["data"]["seq_len"] for c in traced] == [32, 64] and "predicted_peak_gib" in got[4]
