@@ -121,26 +121,46 @@ def resolve_nproc_per_node(requested: int, device_type: str, lnc: int | None) ->
     return 1
 
 
-# The memory controller's limit of this process's cgroup, as a container sees its own (v2, then v1); "max" or
-# a v1 value near 2**63 (page-rounded) means none.
+# The memory controller's limit as a container sees its own cgroup (v2, then v1); "max" or a v1 value near 2**63
+# (page-rounded) means none.
 CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
+def cgroup_memory_files() -> list[str]:
+    """Where this process's memory limits may be: its own cgroup and (v2) every ancestor, from /proc/self/cgroup
+    (a Slurm job step's cgroup, a systemd scope), then the container's root files."""
+    out: list[str] = []
+    try:
+        entries = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        entries = []
+    for entry in entries:
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].strip("/")
+        if controllers == "":  # v2: a limit on any ancestor applies too
+            names = path.split("/") if path else []
+            out += [f"/sys/fs/cgroup/{'/'.join(names[:i])}/memory.max".replace("//", "/") for i in range(len(names), 0, -1)]
+        elif "memory" in controllers.split(","):
+            out.append(f"/sys/fs/cgroup/memory/{path}/memory.limit_in_bytes".replace("//", "/"))
+    return out + [p for p in CGROUP_MEMORY_LIMITS if p not in out]
+
+
 def host_memory() -> tuple[int, str]:
-    """Bytes of RAM this host's processes may use together, and where the figure came from: the cgroup's memory
-    limit when there is one below the host's RAM (a container, a Slurm job with memory cgroups), else the RAM.
+    """Bytes of RAM this host's processes may use together, and where the figure came from: the lowest cgroup
+    memory limit below the host's RAM (a container, a Slurm job with memory cgroups), else the RAM.
     The planner once credited every CPU rank with the whole host RAM, whatever the container allowed."""
     import psutil
 
     total, source = int(psutil.virtual_memory().total), "host RAM"
-    for path in CGROUP_MEMORY_LIMITS:
+    for path in cgroup_memory_files():
         try:
             text = open(path).read().strip()
         except OSError:
             continue
         if text.isdigit() and 0 < int(text) < total:
-            return int(text), f"cgroup limit {path}"
-        break
+            total, source = int(text), f"cgroup limit {path}"
     return total, source
 
 
