@@ -4,7 +4,8 @@
   and again in ``launch.elastic.run``), refuse a directory that is a file, is locked by a live process, already
   holds a run that the command does not resume (``checkpoint.resume``) or discard
   (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
-  to resume is ``AlreadyComplete`` (exit 0, nothing written).
+  to resume is ``AlreadyComplete`` (exit 0, nothing written); with ``checkpoint.export_hf`` a run is finished
+  once its export is (a run stopped during it exports on resume).
 - ``RunDirLock``: one process writes a run directory at a time (an ``flock`` on ``.qwen3_research.lock``,
   released by the kernel when its holder dies, so a stale lock of a dead pid is detected and taken over).
   Only the process that writes the run files takes it: the launcher, rank 0 under torchrun, the first
