@@ -33,7 +33,7 @@ def lines(text: str) -> list[str]:
     ("data.global_batch_tokens=0", "data.global_batch_tokens must be >= 1"),
     ("logging.wandb.init_timeout=-1", "logging.wandb.init_timeout must be > 0"),  # trained, silently
     ("model.moe.bias_coef=1e308", "model.moe.bias_coef=1e+308 must be in (0, 1]"),  # trained into inf biases
-])
+], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef"])
 def test_a_value_out_of_range_is_one_config_error(override, start):
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=native_moe", override] if "moe" in override else [override]))
@@ -48,7 +48,7 @@ def test_a_value_out_of_range_is_one_config_error(override, start):
     ("plan", ["-m", "parallelism.tp=1,2"], "config error: plan: unknown option -m (a sweep: run it"),  # a lexer error
     ("plan", ["--bogus"], "config error: plan: unknown option --bogus; plan takes one run's overrides"),
     ("verify_kernels", ["--bogus"], "config error: verify_kernels: unknown option --bogus"),  # was ignored
-])
+], ids=["plan-m", "plan-bogus", "verify_kernels-bogus"])
 def test_an_unknown_option_is_one_config_error(capsys, module, argv, start):
     import importlib
 
