@@ -15,14 +15,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from qwen3_research.report import EXIT_SOME_FAILED, best_point_line, report, sweep_points
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qwen3_research.compare", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", type=Path, help="a sweep directory, or run directories")
     ap.add_argument("--out", type=Path, default=None, help="where to write the report (default: the sweep dir, or ./comparison)")
     args = ap.parse_args(argv)
+    unique: dict[Path, Path] = {}
+    for p in args.paths:  # each directory once, in the order given (`compare D D` counted every run twice)
+        unique.setdefault(p.resolve(), p)
+    args.paths = list(unique.values())
+    from qwen3_research.report import EXIT_SOME_FAILED, best_point_line, report, sweep_points
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # matplotlib's warnings as one line each
@@ -37,4 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen3_research.startup import run_tool
+
+    sys.exit(run_tool(main, "the report may be incomplete"))

@@ -50,6 +50,13 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
+# CPU ranks per core a run may start without parallelism.oversubscribe=true. Each rank is a whole process (its own
+# torch, ~0.4 GiB before any tensor; a gloo group of N ranks opens N-1 connections per rank): 20000 ranks on 2 cores
+# was accepted and never started. The tests run 4 ranks on 2 cores (gloo ranks mostly wait on each other), so the
+# limit is well above the cores, not at them.
+CPU_RANKS_PER_CORE = 8
+
+
 @dataclass
 class ParallelismConfig:
     nproc_per_node: int = -1  # -1 (auto): every device of the host (logical NeuronCores at the LNC, GPUs; 1 on cpu)
@@ -62,6 +69,7 @@ class ParallelismConfig:
     activation_checkpoint: str = "none"  # none | selective | full
     rdzv_endpoint: str = "127.0.0.1:0"  # 0 = pick a free port (single node)
     rdzv_timeout_s: int = 300  # multi-node: a node that has not met the others by then fails (one line)
+    oversubscribe: bool = False  # cpu: allow more than CPU_RANKS_PER_CORE ranks per core of this host
 
 
 @dataclass
@@ -404,6 +412,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     if moe.aux_loss_coef is not None:
         _positive("model.moe.aux_loss_coef", moe.aux_loss_coef, allow_zero=True)
     _positive("model.moe.bias_coef", moe.bias_coef)
+    # The expert-bias step is added to router scores in [0, 1] every optimizer step: above 1 one step outweighs
+    # any score, and 1e308 overflowed to inf biases that routed silently (torchtitan's default is 1e-3).
+    if moe.bias_coef > 1.0:
+        raise ConfigError(f"model.moe.bias_coef={moe.bias_coef:g} must be in (0, 1]: it is the expert-bias step per "
+                          "optimizer step, added to router scores in [0, 1] (default 1e-3)")
 
     p = cfg.parallelism
     if p.nproc_per_node == 0 or p.nproc_per_node < -1:
@@ -413,11 +426,18 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
+    if p.rdzv_timeout_s < 1:
+        raise ConfigError(f"parallelism.rdzv_timeout_s must be >= 1 (seconds the nodes have to meet), got {p.rdzv_timeout_s}")
     _choice("parallelism.activation_checkpoint", p.activation_checkpoint, {"none", "selective", "full"})
 
     o = cfg.optimizer
     _choice("optimizer.name", o.name, {"adamw"})
     _positive("optimizer.lr", o.lr)
+    # AdamW moves every weight by about lr per step: above 1 a run diverges at once, and 1e308 overflowed
+    # float32 inside the optimizer (a 40-line traceback).
+    if o.lr > 1.0:
+        raise ConfigError(f"optimizer.lr={o.lr:g} must be in (0, 1]: AdamW moves every weight by about lr per step "
+                          "(typical values 1e-4 … 3e-3)")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {list(o.betas)}")
     _positive("optimizer.eps", o.eps)
@@ -433,6 +453,9 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
     if d.batch_size < 1:
         raise ConfigError(f"data.batch_size must be >= 1, got {d.batch_size}")
+    if d.global_batch_tokens is not None and d.global_batch_tokens < 1:
+        raise ConfigError(f"data.global_batch_tokens must be >= 1 (tokens per optimizer step, a multiple of "
+                          f"data.seq_len × dp × grad_accum) or null (data.batch_size per rank), got {d.global_batch_tokens}")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     for key, value in (("data.max_documents", d.max_documents), ("data.hf.max_documents", d.hf.max_documents)):
@@ -455,6 +478,9 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, {"offline", "online", "disabled"})
+    if cfg.logging.wandb.init_timeout <= 0:
+        raise ConfigError(f"logging.wandb.init_timeout must be > 0 (seconds W&B may take to start online), got "
+                          f"{cfg.logging.wandb.init_timeout:g}")
     project = cfg.logging.wandb.project
     forbidden = sorted({c for c in project if c in WANDB_PROJECT_FORBIDDEN})
     if not project or len(project) > 128 or forbidden:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,21 @@ def _text(value, key: str, where: str) -> str:
                       "is skipped)")
 
 
+def _plain_text(f: str, text: str) -> str:
+    """A file of NUL bytes is valid UTF-8 and not empty after ``strip()``: it trained silently on NUL tokens.
+    Text files hold no NUL; a file whose characters are all control characters holds no text either."""
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise ConfigError(f"data.files: {f} is not a text file (a NUL byte at character {nul}): it looks binary; "
+                          "narrow data.files to text (.txt) or .jsonl files")
+    if text.strip() and _VISIBLE.search(text) is None:
+        raise ConfigError(f"data.files: {f} holds only control characters, no text; remove it or narrow data.files")
+    return text
+
+
+_VISIBLE = re.compile(r"[^\x00-\x20\x7f-\x9f]")
+
+
 def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
     files = data_files(pattern)  # regular files only: a FIFO would block this read forever
     docs = []
@@ -138,7 +154,7 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
                             text = _text(row[text_field], f"data.text_field={text_field!r}", f"{f} line {i + 1}")
                             docs.append((f"{f}:{i}", text))
             else:
-                docs.append((f, Path(f).read_text(encoding="utf-8")))
+                docs.append((f, _plain_text(f, Path(f).read_text(encoding="utf-8"))))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"data.files: cannot read {f}: {e}") from None
     return docs

@@ -121,6 +121,57 @@ def resolve_nproc_per_node(requested: int, device_type: str, lnc: int | None) ->
     return 1
 
 
+# The memory controller's limit as a container sees its own cgroup (v2, then v1); "max" or a v1 value near 2**63
+# (page-rounded) means none.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def cgroup_memory_files() -> list[str]:
+    """Where this process's memory limits may be: its own cgroup and (v2) every ancestor, from /proc/self/cgroup
+    (a Slurm job step's cgroup, a systemd scope), then the container's root files."""
+    out: list[str] = []
+    try:
+        entries = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        entries = []
+    for entry in entries:
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].strip("/")
+        if controllers == "":  # v2: a limit on any ancestor applies too
+            names = path.split("/") if path else []
+            out += [f"/sys/fs/cgroup/{'/'.join(names[:i])}/memory.max".replace("//", "/") for i in range(len(names), 0, -1)]
+        elif "memory" in controllers.split(","):
+            out.append(f"/sys/fs/cgroup/memory/{path}/memory.limit_in_bytes".replace("//", "/"))
+    return out + [p for p in CGROUP_MEMORY_LIMITS if p not in out]
+
+
+def host_memory() -> tuple[int, str]:
+    """Bytes of RAM this host's processes may use together, and where the figure came from: the lowest cgroup
+    memory limit below the host's RAM (a container, a Slurm job with memory cgroups), else the RAM.
+    The planner once credited every CPU rank with the whole host RAM, whatever the container allowed."""
+    import psutil
+
+    total, source = int(psutil.virtual_memory().total), "host RAM"
+    for path in cgroup_memory_files():
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total, source = int(text), f"cgroup limit {path}"
+    return total, source
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def host_nproc_per_node(world_size: int | None = None, nnodes: int = 1) -> int:
     """``nproc_per_node=-1`` where the run's device is not known: the launcher's world size if given,
     else every device of this host (its default device type, LNC from the environment)."""
@@ -357,7 +408,8 @@ class Device:
             self.peak_reset = "VmHWM" if self._hwm_resettable else "ru_maxrss baseline"
 
     def capacity_bytes(self) -> int:
-        """Memory one rank can use: HBM of this rank's (logical) core / GPU, host RAM on cpu."""
+        """Memory one rank can use: HBM of this rank's (logical) core / GPU; on cpu the host RAM (or its cgroup
+        limit) divided among the ranks on this host."""
         if self._capacity is None:
             if self.type == "cuda":
                 self._capacity = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
@@ -366,10 +418,8 @@ class Device:
                 # logical core's HBM (~24 GiB at LNC=2 on trn2: 96 GiB per 8-core chip). The index is
                 # the rank's PyTorch device index (= local rank; NeuronDevice.cpp get_vnc_id).
                 self._capacity = int(torch.neuron.get_device_properties(self.local_rank).total_memory)
-            else:
-                import psutil
-
-                self._capacity = int(psutil.virtual_memory().total)
+            else:  # the host's memory (its cgroup limit) is shared by the ranks on it
+                self._capacity = host_memory()[0] // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return self._capacity
 
     def memory(self) -> MemoryStats:

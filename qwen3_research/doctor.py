@@ -199,7 +199,8 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
             rows.append(Row("world size", f"{run.nproc_per_node} x {rc.parallelism.nnodes} node(s) = {d.world_size}{auto}; "
                             f"{d.describe()}"))
         except ConfigError as e:
-            rows.append(Row("run config", str(e).splitlines()[0], "MISSING", "fix the override named above"))
+            # the refusal itself is the fix line (it names the key and what to change), not "see above"
+            rows.append(Row("run config", "refused by the run's start-up checks", "MISSING", str(e).splitlines()[0]))
     if kind == "neuron":  # with or without TorchNeuron: the host facts say what else the first run needs
         from qwen3_research.neuron_host import host_checks
 
@@ -219,9 +220,10 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
                         if ok else f"could not read: {out}", "ok" if ok else "MISSING",
                         "" if ok else "check the Neuron driver and runtime (neuron-ls)"))
     elif ctx["device"] == "cpu":
-        import psutil
-
-        rows.append(Row("memory per rank", f"{psutil.virtual_memory().total / 1024**3:.1f} GiB host RAM (cpu)", "info"))
+        total, source = devices.host_memory()
+        n = run.nproc_per_node if run is not None else 1  # the ranks on this host share it
+        rows.append(Row("memory per rank", f"{total / n / 1024**3:.1f} GiB ({total / 1024**3:.1f} GiB {source}"
+                        + (f" / {n} ranks" if n > 1 else "") + ", cpu)", "info"))
 
     # Backends.
     if ctx["device"]:
@@ -381,4 +383,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen3_research.startup import run_tool
+
+    sys.exit(run_tool(main, "the doctor was stopped"))

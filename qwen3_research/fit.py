@@ -251,7 +251,7 @@ def search(config: dict, *, frozen: set[str] = frozenset(), k: int = 3, echo=Non
     echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     run = resolve_run(config, plan=True)
-    cap = capacity(run.rc)[0]
+    cap = capacity(run.rc, run.nproc_per_node)[0]
     cands = candidates(run, frozen)
     for c in cands:
         cost(c, run)

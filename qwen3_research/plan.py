@@ -53,6 +53,7 @@ EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 4
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+PLAN_FLAGS = ("--fit", "--json", "--trace-all-roles", "--help")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    unknown = [a for a in argv if a.startswith("-") and a not in PLAN_FLAGS]
+    if unknown:  # else Hydra's override lexer failed on it (a 2-line "token recognition error")
+        sweep = (" (a sweep: run it; it plans every point before any starts, sweep.plan=true)"
+                 if unknown[0] in ("-m", "--multirun") else "")
+        print(f"config error: plan: unknown option {unknown[0]}{sweep}; plan takes one run's overrides (key=value, "
+              f"group=option) and {', '.join(PLAN_FLAGS)}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     as_json = "--json" in argv  # also one JSON line (per-rank bytes) after the table, for scripts
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
     fit = "--fit" in argv  # search the variants that fit (qwen3_research.fit)
@@ -114,4 +122,6 @@ def _fit(argv: list[str], as_json: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen3_research.startup import run_tool
+
+    sys.exit(run_tool(main, "the plan was stopped; nothing was written"))

@@ -275,12 +275,18 @@ def estimate(rc, degrees, facts: dict) -> dict:
 
 
 # -- the whole plan ----------------------------------------------------------------------------
-def capacity(rc) -> tuple[float, str]:
+def capacity(rc, nproc_per_node: int = 1) -> tuple[float, str]:
+    """GiB one rank may use, and where the figure came from. CPU ranks share the host: its RAM (or the cgroup's
+    limit) divided among the ``nproc_per_node`` ranks on it."""
     if rc.device.memory_gib is not None:
         return float(rc.device.memory_gib), "device.memory_gib"
     from qwen3_research import device as devices
 
     dtype = devices.resolve_device_type(rc.device.type)
+    if dtype == "cpu":
+        total, source = devices.host_memory()
+        n = max(1, nproc_per_node)
+        return total / n / 1024**3, f"detected (cpu): {total / 1024**3:.1f} GiB {source}" + (f" / {n} ranks" if n > 1 else "")
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
@@ -295,7 +301,7 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     run = resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
     planned = run.config["device"]["type"]
-    cap, source = capacity(rc)
+    cap, source = capacity(rc, run.nproc_per_node)
     config = run.config
     traced = dict(config)
     traced["device"] = {**config["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path

@@ -131,15 +131,18 @@ def load_run(run_dir: Path) -> RunRecord:
 
 
 def find_runs(paths: list[Path]) -> list[RunRecord]:
-    runs: list[RunRecord] = []
+    """The runs under ``paths``, each once: ``compare D D`` (or a sweep dir and one of its runs) counted every run
+    twice, in the table, the tally and the plots."""
+    run_dirs: dict[Path, Path] = {}  # resolved -> as given
     for p in paths:
         if (p / ".hydra").is_dir() or (p / "summary.json").is_file():
-            runs.append(load_run(p))
+            run_dirs.setdefault(p.resolve(), p)
         else:
             subdirs = sorted((d for d in p.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "summary.json").is_file())),
                              key=lambda d: (int(d.name.split("_")[0]) if d.name.split("_")[0].isdigit() else 1 << 30, d.name))
-            runs.extend(load_run(d) for d in subdirs)
-    return runs
+            for d in subdirs:
+                run_dirs.setdefault(d.resolve(), d)
+    return [load_run(d) for d in run_dirs.values()]
 
 
 def swept_keys(runs: list[RunRecord]) -> list[str]:

@@ -129,6 +129,8 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
         nproc = devices.host_nproc_per_node(None, p.nnodes) if p.nproc_per_node == -1 else p.nproc_per_node
     else:
         nproc = devices.resolve_nproc_per_node(p.nproc_per_node, kind, lnc)
+    if kind == "cpu" and not plan and not p.oversubscribe and _torchrun_world_size() is None:
+        _check_cpu_ranks(nproc, devices.cpu_cores())
     degrees = validate_degrees(dataclasses.replace(p, nproc_per_node=nproc), seq_len=rc.data.seq_len,
                                world_size=_torchrun_world_size(), **facts)
     batch_size = resolve_batch_size(rc, degrees.dp)
@@ -280,6 +282,18 @@ def _resume_when_requeued(resolved: dict) -> dict:
     if slurm.restart_count() > 0 and not ck.get("resume"):
         return {**resolved, "checkpoint": {**ck, "resume": "auto"}}
     return resolved
+
+
+def _check_cpu_ranks(nproc: int, cores: int) -> None:
+    """A CPU run starts at most ``CPU_RANKS_PER_CORE`` ranks per core of this host unless told to
+    (``parallelism.oversubscribe=true``); a plan is not refused (it may be for a larger host)."""
+    from qwen3_research.config import CPU_RANKS_PER_CORE
+
+    if nproc > CPU_RANKS_PER_CORE * cores:
+        raise ConfigError(
+            f"parallelism.nproc_per_node={nproc} starts {nproc} CPU ranks on the {cores} core(s) this process may use, "
+            f"more than {CPU_RANKS_PER_CORE} per core (each rank is a whole process with its own torch); use at most "
+            f"{CPU_RANKS_PER_CORE * cores}, or start them anyway with parallelism.oversubscribe=true")
 
 
 def _torchrun_world_size() -> int | None:

@@ -22,7 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     from qwen3_research.startup import quiet_libraries
 
     quiet_libraries()  # a kernel entry that matches nothing: one warning line
-    overrides = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:  # was ignored: `--bogus` verified as if it were not there
+        print(f"config error: verify_kernels: unknown option {unknown[0]}; it takes only a run's overrides "
+              "(kernels=<option>, key=value)", file=sys.stderr)
+        return 2
+    overrides = args
     try:
         cfg = compose(overrides)
     except ConfigError as e:
@@ -72,4 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen3_research.startup import run_tool
+
+    sys.exit(run_tool(main, "no kernel was verified"))

@@ -7,6 +7,7 @@ The parent resolves the run once (``resolve.resolve_run``); workers receive that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -167,6 +168,26 @@ def _no_worker_left_behind(grace_s: float = 30.0):
                 proc.join()
 
 
+# torch's own loggers of the worker group: on a rank failure they printed the failed rank's whole traceback
+# (40-100 lines, each prefixed "E1206 … api.py:836]") before our one line, which names the cause.
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+@contextmanager
+def _elastic_logs_off_console():
+    """torch elastic's agent logs silenced while the group runs: every way it ends is reported by ``_elastic`` in
+    one line (a failed rank, a signal, a rendezvous timeout); the failed rank's traceback goes to the run's log file."""
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def finite_json(summary: dict) -> dict:
     """NaN/inf are not JSON: such a value becomes null and its key is listed under ``non_finite``."""
     import math
@@ -244,13 +265,16 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
         start_method=_start_method(rc),
     )
     try:
-        with _sigint_held_for_workers(), _no_worker_left_behind():
+        with _sigint_held_for_workers(), _no_worker_left_behind(), _elastic_logs_off_console():
             results = elastic_launch(config, _recorded_worker)(run, asdict(info))
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
         if isinstance(failure.message, dict):
             message = failure.message.get("message", message)
+            stack = (failure.message.get("extraInfo") or {}).get("py_callstack")
+            if stack:  # the run's log file (Hydra's <run dir>/<job>.log) keeps it; the console gets one line
+                logging.getLogger(__name__).info("rank %s failed:\n%s", rank, stack)
         raise WorkerGroupError(f"rank {rank} failed (exit code {failure.exitcode}): {message}") from None
     except SignalException as e:
         # The agent got SIGTERM/SIGINT (Slurm preemption, requeue, scancel): it passed the signal on to

@@ -187,10 +187,37 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+# Keys that change no tensor's shape or lifetime in the planned step: points that differ only in them (a seed
+# sweep, a learning-rate sweep) share one traced plan. Tracing took ~1-4 s a point, the same answer every time.
+PLAN_FREE_KEYS = ("training.seed", "optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
+                  "optimizer.warmup_steps", "optimizer.decay", "optimizer.min_lr_ratio", "logging")
+
+
+def plan_key(composed: dict) -> str:
+    """A point's resolved config without ``PLAN_FREE_KEYS``: equal keys, equal plans."""
+    import copy
+
+    trimmed = copy.deepcopy(composed)
+    for dotted in PLAN_FREE_KEYS:
+        *parents, last = dotted.split(".")
+        node = trimmed
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return json.dumps(trimmed, sort_keys=True, default=str)
+
+
 def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
-    """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry."""
+    """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Points whose
+    configs differ only in ``PLAN_FREE_KEYS`` are traced once; each point's own values are still validated."""
+    from qwen3_research.config import to_run_config, validate
     from qwen3_research.errors import ConfigError
     from qwen3_research.planner import make_plan
+    from qwen3_research.startup import quiet_libraries
+
+    quiet_libraries()  # torchtitan's INFO lines ("Total parameter count") per traced point stay off the console
+    planned: dict[str, dict] = {}
 
     jobs = sweep_jobs(config)
     if not jobs:
@@ -208,10 +235,16 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
         label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
         try:
             composed = compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
-            plan = make_plan(composed)
-            entry = plan.as_dict()
-            if not plan.fits and config.sweep.plan == "fit":
-                entry = _fitted(entry, composed, list(job), swept)
+            key = plan_key(composed)
+            if key in planned:
+                validate(to_run_config(composed))  # its own seed, lr, … (the shared plan checked another point's)
+                entry = dict(planned[key])
+            else:
+                plan = make_plan(composed)
+                entry = plan.as_dict()
+                if not plan.fits and config.sweep.plan == "fit":
+                    entry = _fitted(entry, composed, list(job), swept)
+                planned[key] = entry
         except ConfigError as e:
             entry = {"error": f"config error: {e}"}
         except Exception as e:  # noqa: BLE001 - a plan that cannot be made must not stop the sweep

@@ -473,6 +473,24 @@ def _same_base_model(resume: str, found: Path, saved: str | None, now: str | Non
     )
 
 
+def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> None:
+    """Settings that change what is trained without changing a tensor: a resume under another value went on
+    silently and rewrote the run's recorded config (``.hydra/``, W&B, the next ``meta.json``), so the run's record
+    no longer said how its first steps were trained. Refused, as another ``model.init_from`` is."""
+    model, data = saved.get("model") or {}, saved.get("data") or {}
+    for key, was, now, what in (
+            ("model.moe.balance", (model.get("moe") or {}).get("balance"), rc.model.moe.balance, "load balancing"),
+            ("data.document_masking", data.get("document_masking"), rc.data.document_masking, "attention")):
+        if was is None or was == now:  # an older checkpoint without the key: nothing to compare
+            continue
+        was, now = (str(v).lower() if isinstance(v, bool) else v for v in (was, now))
+        raise ConfigError(
+            f"checkpoint.resume={resume}: {found} was trained with {key}={was}, but this run sets {key}={now}; "
+            f"a resume continues that run (its {what} and its recorded config), so resume with {key}={was}, or start "
+            "a new run (another hydra.run.dir)"
+        )
+
+
 def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target and init_from config."""
     ck = rc.checkpoint
@@ -487,6 +505,7 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                     f"{', '.join(differ)}); resume with the same model settings, or use another checkpoint.dir"
                 )
             _same_base_model(ck.resume, found, saved.get("init_from"), rc.model.init_from)
+            _same_objective(ck.resume, found, read_meta(found).get("config") or {}, rc)
     if rc.model.init_from:  # only a backend that takes it has one (models.check)
         from qwen3_research.hf_interop.preflight import check_init_from
 

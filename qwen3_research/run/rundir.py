@@ -4,7 +4,8 @@
   and again in ``launch.elastic.run``), refuse a directory that is a file, is locked by a live process, already
   holds a run that the command does not resume (``checkpoint.resume``) or discard
   (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
-  to resume is ``AlreadyComplete`` (exit 0, nothing written).
+  to resume is ``AlreadyComplete`` (exit 0, nothing written); with ``checkpoint.export_hf`` a run is finished
+  once its export is (a run stopped during it exports on resume).
 - ``RunDirLock``: one process writes a run directory at a time (an ``flock`` on ``.qwen3_research.lock``,
   released by the kernel when its holder dies, so a stale lock of a dead pid is detected and taken over).
   Only the process that writes the run files takes it: the launcher, rank 0 under torchrun, the first
@@ -29,6 +30,9 @@ from qwen3_research.errors import ConfigError
 LOCK_NAME = ".qwen3_research.lock"
 WANDB_STATE_FILE = "wandb_run.json"
 SUMMARY = "summary.json"
+
+
+_SAID: set[str] = set()
 
 
 class AlreadyComplete(Exception):
@@ -113,8 +117,17 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
             "(nothing to do) or more to continue"
         )
     if step == steps:
-        raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
-                              "(raise training.steps to train further)")
+        # A run with checkpoint.export_hf is complete once its export is: the summary (status ok, this step) is
+        # written after it. Stopped during the export (a SIGTERM, a kill), the resume redoes the export from the
+        # last checkpoint instead of calling the run complete without one.
+        if not rc.checkpoint.export_hf or (summary or {}).get("status") == "ok" and summary.get("steps") == step:
+            raise AlreadyComplete(f"already complete: {found} is at training.steps={steps}; nothing to do "
+                                  "(raise training.steps to train further)")
+        line = (f"resume: {found} is at training.steps={steps}, but the run's HF export (checkpoint.export_hf) did "
+                f"not finish; exporting it now to {run_dir / 'hf'}")
+        if line not in _SAID:  # checked before Hydra and again in launch.elastic.run: said once
+            _SAID.add(line)
+            print(line, flush=True)
     if dp is not None and batch_size is not None:
         from qwen3_research import models
         from qwen3_research.run.checkpoint import refuse_layout_change

@@ -1,0 +1,315 @@
+"""Issue 33's weak cases: each ends in one line (``config error: …`` exit 2 naming the key and the fix, 130 for
+Ctrl-C) or in the correct behaviour, with nothing lost. In-process where the case allows; a cold process only where
+the case is the process itself (a signal, a CLI's exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen3_research.compose import compose
+from qwen3_research.config import validate
+from qwen3_research.errors import ConfigError
+from tests.conftest import ROOT, cli_env
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+# -- value checks ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, start", [
+    # crashed in AdamW's foreach kernel ("value cannot be converted to type float without overflow"), 40 lines
+    ("optimizer.lr=1e308", "optimizer.lr=1e+308 must be in (0, 1]"),
+    ("parallelism.rdzv_timeout_s=-1", "parallelism.rdzv_timeout_s must be >= 1"),  # trained, silently
+    # said "must be a multiple of data.seq_len×dp×grad_accum=32": 0 is one
+    ("data.global_batch_tokens=0", "data.global_batch_tokens must be >= 1"),
+    ("logging.wandb.init_timeout=-1", "logging.wandb.init_timeout must be > 0"),  # trained, silently
+    ("model.moe.bias_coef=1e308", "model.moe.bias_coef=1e+308 must be in (0, 1]"),  # trained into inf biases
+], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef"])
+def test_a_value_out_of_range_is_one_config_error(override, start):
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["model=native_moe", override] if "moe" in override else [override]))
+    print(f"{override}: config error: {e.value}")
+    assert str(e.value).startswith(start) and "\n" not in str(e.value)
+
+
+# -- the tools' arguments -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, argv, start", [
+    ("plan", ["-m", "parallelism.tp=1,2"], "config error: plan: unknown option -m (a sweep: run it"),  # a lexer error
+    ("plan", ["--bogus"], "config error: plan: unknown option --bogus; plan takes one run's overrides"),
+    ("verify_kernels", ["--bogus"], "config error: verify_kernels: unknown option --bogus"),  # was ignored
+], ids=["plan-m", "plan-bogus", "verify_kernels-bogus"])
+def test_an_unknown_option_is_one_config_error(capsys, module, argv, start):
+    import importlib
+
+    status = importlib.import_module(f"qwen3_research.{module}").main(argv)
+    err = lines(capsys.readouterr().err)
+    print(f"{module} {' '.join(argv)}: exit {status}: {err}")
+    assert status == 2 and len(err) == 1 and err[0].startswith(start)
+
+
+def _run_dir(path: Path, loss: float) -> Path:
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text("- training.steps=1\n")
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": loss, "tokens_per_s": 10.0}) + "\n")
+    (path / "summary.json").write_text(json.dumps({"status": "ok", "steps": 1, "final_loss": loss}))
+    return path
+
+
+def test_compare_counts_each_run_once(tmp_path, capsys):
+    """`compare D D` (or a sweep dir and one of its runs) listed every run twice and tallied "4 ok" for 2 runs."""
+    from qwen3_research import compare
+
+    sweep = tmp_path / "sweep"
+    _run_dir(sweep / "0_a", 2.0), _run_dir(sweep / "1_b", 3.0)
+    status = compare.main([str(sweep), str(sweep), str(sweep / "0_a"), "--out", str(tmp_path / "cmp")])
+    rows = (tmp_path / "cmp" / "comparison.csv").read_text().splitlines()[1:]
+    print(f"exit {status}: {len(rows)} rows: {rows}")
+    assert status == 0 and len(rows) == 2 and "2 ok;" in capsys.readouterr().out
+
+
+# -- Ctrl-C in a tool -----------------------------------------------------------------------------------------------
+
+SIGINT_AT_IMPORT = '''
+import os, signal, sys
+
+class SigintAtImport:
+    """Ctrl-C while the tool imports one of its modules (inside its main(), after the process started)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
+            open(os.environ["MARKER"], "w").write(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAtImport())
+'''
+
+
+@pytest.mark.parametrize("tool, args, trigger, stopped", [
+    ("plan", ["training.steps=1"], "qwen3_research.planner", "the plan was stopped; nothing was written"),
+    ("plan", ["--fit", "training.steps=1"], "qwen3_research.fit", "the plan was stopped; nothing was written"),
+    ("doctor", [], "qwen3_research.resolve", "the doctor was stopped"),
+    ("verify_kernels", ["kernels=moe_fast", "model=native_moe"], "qwen3_research.resolve", "no kernel was verified"),
+    ("compare", ["SWEEP"], "qwen3_research.report", "the report may be incomplete"),
+], ids=["plan", "plan-fit", "doctor", "verify_kernels", "compare"])
+def test_ctrl_c_in_a_tool_is_one_line(tmp_path, tool, args, trigger, stopped):
+    """Each printed a 22-53-line KeyboardInterrupt traceback (the run itself: one line, exit 130)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    marker = tmp_path / "fired"
+    if args == ["SWEEP"]:
+        args = [str(_run_dir(tmp_path / "sweep" / "0_a", 2.0).parent), "--out", str(tmp_path / "cmp")]
+    proc = subprocess.run([sys.executable, "-m", f"qwen3_research.{tool}", *args], cwd=ROOT,
+                          env=cli_env(PYTHONPATH=str(hook), TRIGGER=trigger, MARKER=str(marker)), capture_output=True,
+                          text=True, timeout=300)
+    assert marker.exists(), f"{trigger} was never imported\n{proc.stderr[-2000:]}"
+    err = lines(proc.stderr)
+    print(f"{tool}: exit {proc.returncode}: {err}")
+    assert proc.returncode == 130 and err == [f"interrupted by SIGINT; {stopped}"], proc.stderr[-3000:]
+
+
+# -- resume ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, saved, now, overrides", [
+    ("model.moe.balance", "aux_loss", "none", ["model=native_moe"]),
+    ("data.document_masking", True, False, []),
+], ids=["moe-balance", "document-masking"])
+def test_a_resume_across_a_training_setting_is_refused(tmp_path, monkeypatch, key, saved, now, overrides):
+    """model.moe.balance aux_loss -> none and data.document_masking true -> false resumed silently and rewrote the
+    run's recorded config (no tensor differs, so the model-shape check let them through). The checkpoint's
+    meta.json is the composed config with the saved value; ``preflight`` is what the launcher runs first."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research.config import to_run_config
+    from qwen3_research.run import checkpoint
+
+    section, name = key.split(".", 1)
+    cfg = compose([*overrides, f"{key}={str(now).lower()}", "checkpoint.resume=auto"])
+    recorded = OmegaConf.to_container(cfg, resolve=True)
+    node = recorded[section]
+    for part in name.split(".")[:-1]:
+        node = node[part]
+    node[name.split(".")[-1]] = saved
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": recorded["model"], "config": recorded}))
+    monkeypatch.setattr(checkpoint, "find_checkpoint", lambda *a, **k: ckpt)
+    with pytest.raises(ConfigError) as e:
+        checkpoint.preflight(to_run_config(cfg), tmp_path)
+    show = str(saved).lower()
+    print(f"{key}: config error: {e.value}")
+    assert str(e.value).startswith(f"checkpoint.resume=auto: {ckpt} was trained with {key}={show}, but this run sets "
+                                   f"{key}={str(now).lower()}") and f"resume with {key}={show}" in str(e.value)
+    node[name.split(".")[-1]] = now  # the same value: resumes
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "model": recorded["model"], "config": recorded}))
+    checkpoint.preflight(to_run_config(cfg), tmp_path)
+
+
+def test_a_sigterm_during_the_final_export_is_redone_on_resume(tmp_path):
+    """SIGTERM while checkpoint.export_hf writes at the end of the run: the resume said "already complete" (the last
+    step is checkpointed) and the export never happened. Now the run is complete once its summary says ok, which is
+    written after the export: the resume exports from the last checkpoint, and then the run is complete."""
+    import signal
+    import time
+
+    from tests.conftest import FAST, assert_ok, run_cli
+
+    run = tmp_path / "r"
+    args = [*FAST, "training.steps=1", "optimizer.warmup_steps=0", "checkpoint.enable=true", "checkpoint.export_hf=true"]
+    proc = subprocess.Popen([sys.executable, "-m", "qwen3_research", *args, f"hydra.run.dir={run}"], cwd=ROOT,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(run.glob(".hf.tmp-export*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # while the export writes
+    out, err = proc.communicate(timeout=240)
+    print(f"SIGTERM during the export: exit {proc.returncode}: {lines(err)}")
+    assert proc.returncode == 143 and not (run / "hf").exists(), err[-3000:]
+    assert (run / "checkpoints" / "step-00000001").is_dir()
+
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)
+    assert_ok(resumed)
+    said = [ln for ln in lines(resumed.stdout) if ln.startswith(("resume:", "already complete"))]
+    print(f"resume: exit {resumed.returncode}: {said}")
+    assert said and said[0].startswith(f"resume: {run}/checkpoints/step-00000001 is at training.steps=1, but the run's "
+                                       "HF export (checkpoint.export_hf) did not finish; exporting it now")
+    assert (run / "hf" / "config.json").is_file() and json.loads((run / "summary.json").read_text())["status"] == "ok"
+    again = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)  # now it is complete
+    assert_ok(again)
+    assert lines(again.stdout)[-1].startswith("already complete:")
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, start", [
+    (b"\x00" * 4096, "is not a text file (a NUL byte at character 0): it looks binary"),  # trained silently
+    (b"\x01\x02\x1b\x7f" * 100, "holds only control characters, no text"),
+], ids=["nul-bytes", "control-characters"])
+def test_a_corpus_file_without_text_is_refused_by_name(tmp_path, content, start):
+    from qwen3_research.data import file_documents
+
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question " * 40)
+    (tmp_path / "b.txt").write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        file_documents(str(tmp_path / "*.txt"), "text")
+    print(f"config error: {e.value}")
+    assert str(e.value).startswith(f"data.files: {tmp_path}/b.txt {start}")
+
+
+# -- a worker group ---------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_rank_is_one_line_without_the_agents_traceback(tmp_path):
+    """torch elastic's agent logged the failed rank's traceback (43 lines of "E1206 … api.py:836] …", and a
+    "Terminating process" warning) before the one line that names the cause; the traceback is in the run's log."""
+    from tests.conftest import FAST, run_cli
+
+    run = tmp_path / "r"
+    proc = run_cli([*FAST, "training.steps=2", "optimizer.warmup_steps=0", "parallelism.nproc_per_node=2",
+                    "training.fault=raise@1:rank1"], run_dir=run)
+    err = lines(proc.stderr)
+    print(f"exit {proc.returncode}: {err}")
+    assert proc.returncode == 1 and err == ["error: rank 1 failed (exit code 1): RuntimeError: injected failure at step 1 "
+                                            "on rank 1 (training.fault=raise@1:rank1)"], proc.stderr[-3000:]
+    assert "in _inject_fault" in (run / "__main__.log").read_text()
+
+
+# -- CPU ranks and their memory ---------------------------------------------------------------------------------------
+
+
+def test_cpu_ranks_far_above_the_cores_are_refused_unless_forced(monkeypatch):
+    """parallelism.nproc_per_node=20000 on 2 cores was accepted by the doctor and the run. The limit is 8 ranks per
+    core (the tests run 4 ranks on 2 cores); parallelism.oversubscribe=true starts them anyway; a plan is not refused."""
+    from qwen3_research import device as devices
+    from qwen3_research.resolve import resolve_run
+
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        resolve_run(compose(["device=cpu", "parallelism.nproc_per_node=20000"]), kernels=False)
+    print(f"config error: {e.value}")
+    assert str(e.value) == ("parallelism.nproc_per_node=20000 starts 20000 CPU ranks on the 2 core(s) this process may "
+                            "use, more than 8 per core (each rank is a whole process with its own torch); use at most 16, "
+                            "or start them anyway with parallelism.oversubscribe=true")
+    for ok in (["parallelism.nproc_per_node=16"], ["parallelism.nproc_per_node=4"],
+               ["parallelism.nproc_per_node=20000", "parallelism.oversubscribe=true"]):
+        assert resolve_run(compose(["device=cpu", *ok]), kernels=False).nproc_per_node in (4, 16, 20000)
+    assert resolve_run(compose(["device=cpu", "parallelism.nproc_per_node=20000"]), plan=True, kernels=False)
+
+
+def test_the_doctor_refuses_cpu_ranks_far_above_the_cores(capsys):
+    from qwen3_research import doctor
+    from qwen3_research.device import cpu_cores
+
+    n = 8 * cpu_cores() + 1
+    status = doctor.main(["device=cpu", f"parallelism.nproc_per_node={n}"])
+    fixes = [ln for ln in lines(capsys.readouterr().out) if ln.startswith("- run config:")]
+    print(f"exit {status}: {fixes}")
+    assert status == 1 and len(fixes) == 1 and f"parallelism.nproc_per_node={n} starts {n} CPU ranks" in fixes[0]
+
+
+@pytest.mark.parametrize("limit, ranks, want", [
+    ("8589934592", 4, (2.0, "GiB cgroup limit")),  # a container of 8 GiB, 4 ranks: 2 GiB each
+    ("max", 2, None),  # cgroup v2 without a limit: the host's RAM, halved
+], ids=["cgroup-limit-over-4-ranks", "no-limit-over-2-ranks"])
+def test_a_cpu_ranks_plan_capacity_is_its_share_of_the_cgroup_limit(tmp_path, monkeypatch, limit, ranks, want):
+    """The planner credited every CPU rank with the whole host RAM: 4 ranks in an 8 GiB container were each
+    told they had the host's 24 GiB."""
+    import psutil
+
+    from qwen3_research import device as devices
+    from qwen3_research.config import to_run_config
+    from qwen3_research.planner import capacity
+
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    monkeypatch.setattr(devices, "cgroup_memory_files", lambda: [str(tmp_path / "memory.max")])
+    gib, source = capacity(to_run_config(compose(["device=cpu"])), ranks)
+    print(f"{gib:.2f} GiB per rank ({source})")
+    if want is None:
+        assert gib == pytest.approx(psutil.virtual_memory().total / ranks / 1024**3) and "host RAM / 2 ranks" in source
+    else:
+        assert gib == pytest.approx(want[0]) and want[1] in source and f"/ {ranks} ranks" in source
+
+
+# -- sweep planning -----------------------------------------------------------------------------------------------------
+
+
+def test_sweep_points_that_differ_only_in_seed_or_lr_share_one_plan(tmp_path, monkeypatch):
+    """Sweep planning traced every point (~1-4 s each) even when only training.seed or optimizer.lr differed, and
+    printed torchtitan's "Total parameter count" line per point. Points with the same planned shape now share one
+    trace; each point's own values are still validated (seed=-1 is a config error, not the shared plan)."""
+    from omegaconf import OmegaConf
+
+    from qwen3_research import planner
+    from qwen3_research.launch import sweep
+
+    base = ["training.steps=1", "data.seq_len=32", "data.batch_size=2"]
+    jobs = [[*base, "training.seed=0"], [*base, "training.seed=1"], [*base, "training.seed=1", "optimizer.lr=1e-3"],
+            [*base, "training.seed=-1"], ["training.steps=1", "data.seq_len=64", "data.batch_size=2", "training.seed=0"]]
+    traced = []
+    real = planner.make_plan
+    monkeypatch.setattr(planner, "make_plan", lambda composed, **k: traced.append(composed) or real(composed, **k))
+    monkeypatch.setattr(sweep, "sweep_jobs", lambda config: jobs)
+    config = OmegaConf.create({"hydra": {"job": {"config_name": "config"}, "runtime": {"config_sources": []},
+                                         "sweeper": {"params": None}}, "sweep": {"plan": True}})
+    echoed = []
+    entries = sweep.plan_points(config, tmp_path, echo=echoed.append)
+    print("\n".join(echoed))
+    got = [entries[sweep._point_key(j)] for j in jobs]
+    assert len(traced) == 2  # seq_len 32 once, seq_len 64 once
+    assert got[0]["predicted_peak_gib"] == got[1]["predicted_peak_gib"] == got[2]["predicted_peak_gib"]
+    assert got[3]["error"].startswith("config error: training.seed must be in [0, ")
+    assert [c["data"]["seq_len"] for c in traced] == [32, 64] and "predicted_peak_gib" in got[4]
