@@ -11,8 +11,8 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
