@@ -23,13 +23,13 @@ hangs up before the run ended (run_cli's timeout, or pytest killed), and all of 
 SIGINT, or its parent gone: PR_SET_PDEATHSIG, and getppid() polled). A timed-out multi-rank run used to leave its
 forked ranks (stuck, so deaf to SIGTERM) and multiprocessing's resource tracker (which ignores SIGTERM) for good.
 
-Fork safety: when the server forks, its only other thread is the jemalloc background thread that pyarrow starts
-at import (datasets imports pyarrow), which jemalloc's fork handlers deal with (a forked run has no such
-thread, and no run was seen stuck in it). The 4-rank runs that hung now and then (issue 33: test_fsdp_tp_four_ranks_from_one_command, 1 in
-~50 runs on 2 busy cores) were not the server's doing: a rank that the run's elastic agent forked while the
-agent's TCPStore server thread held glibc's resolver lock (it resolves each connection it accepts) hung in its
-first getaddrinfo; a cold run forks its ranks the same way. The launcher now forks all ranks before any of them
-connects (qwen3_research.launch.elastic._ranks_start_after_the_last_fork).
+Fork safety: when the server forks, its only other thread is the jemalloc background thread that pyarrow starts at
+import (datasets imports pyarrow), which jemalloc's fork handlers deal with (a forked run has no such thread, and no
+run was seen stuck in it). The 4-rank runs that hung now and then (issue 33:
+test_fsdp_tp_four_ranks_from_one_command, 1 in ~50 runs on 2 busy cores) were not the server's doing: a rank that
+the run's elastic agent forked while the agent's TCPStore server thread held glibc's resolver lock (it resolves each
+connection it accepts) hung in its first getaddrinfo; a cold run forks its ranks the same way. The launcher now
+forks all ranks before any of them connects (qwen3_research.launch.elastic._ranks_start_after_the_last_fork).
 """
 
 from __future__ import annotations
