@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,27 @@ def run_cli(args: list[str], *, run_dir: Path | None = None, timeout: float = 30
     warm = warm_cli.run(module, args, cwd=cwd, env=env, base_env=cli_env(), timeout=timeout)
     if warm is not None:
         return warm
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_in_own_group([sys.executable, "-m", module, *args], cwd=cwd, env=env, timeout=timeout)
+
+
+def run_in_own_group(cmd: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), except that the process leads its own
+    process group and a timeout (or an interrupt) SIGKILLs the whole group: subprocess.run kills only the process
+    it started, and a multi-rank run's ranks and resource tracker outlived a timed-out test for good."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          process_group=0) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as e:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

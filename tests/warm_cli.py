@@ -17,6 +17,19 @@ What is not warm (run_cli falls back to a plain subprocess):
 Protocol (one Unix socket per pytest process): the client sends one JSON line {module, args, cwd, env, stdout,
 stderr}; the server forks, answers the child's pid, and when the child exits its wait status. stdout and stderr
 go to files the client names and reads afterwards.
+
+No process outlives its test: each run leads its own process group, which the server SIGKILLs when the client
+hangs up before the run ended (run_cli's timeout, or pytest killed), and all of them when it stops (SIGTERM,
+SIGINT, or its parent gone: PR_SET_PDEATHSIG, and getppid() polled). A timed-out multi-rank run used to leave its
+forked ranks (stuck, so deaf to SIGTERM) and multiprocessing's resource tracker (which ignores SIGTERM) for good.
+
+Fork safety: when the server forks, its only other thread is the jemalloc background thread that pyarrow starts at
+import (datasets imports pyarrow), which jemalloc's fork handlers deal with (a forked run has no such thread, and no
+run was seen stuck in it). The 4-rank runs that hung now and then (issue 33:
+test_fsdp_tp_four_ranks_from_one_command, 1 in ~50 runs on 2 busy cores) were not the server's doing: a rank that
+the run's elastic agent forked while the agent's TCPStore server thread held glibc's resolver lock (it resolves each
+connection it accepts) hung in its first getaddrinfo; a cold run forks its ranks the same way. The launcher now
+forks all ranks before any of them connects (qwen3_research.launch.elastic._ranks_start_after_the_last_fork).
 """
 
 from __future__ import annotations
@@ -41,6 +54,8 @@ COLD_ENV = "QWEN3_TESTS_COLD_CLI"
 # Read only at run time by the code under test, never at import time of a preloaded library.
 RUNTIME_ENV_PREFIXES = ("QWEN3_", "WANDB_", "NEURON_", "SLURM_")
 FORK_CLEAN = "not fork-clean, every run is cold"
+PARENT_DIED = signal.SIGUSR1  # the server's parent-death signal (PR_SET_PDEATHSIG)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, PARENT_DIED}
 # Third-party only, and never torchtitan: qwen3_research pins torch._utils._get_available_device_type before its
 # first torchtitan import (device.prepare_torchtitan), because torchtitan reads the device type at import time.
 # The torch and other modules torchtitan pulls in are here instead (torchtitan's own import is then ~0.4 s).
@@ -132,8 +147,9 @@ def _leave_the_servers_resources_alone() -> None:
         private.MEDIA_TMP.name = tempfile.mkdtemp("wandb-media")
 
 
-def _child(req: dict, fds: list[int]) -> None:
+def _child(req: dict, fds: list[int], mask: set) -> None:
     """Become `python -m req.module *req.args`; never returns."""
+    os.setpgid(0, 0)  # the run and whatever it starts (ranks, resource tracker) form one group: see serve
     for fd in fds:
         os.close(fd)
     os.chdir(req["cwd"])
@@ -147,7 +163,9 @@ def _child(req: dict, fds: list[int]) -> None:
         os.close(f)
     os.close(null)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, PARENT_DIED):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if "numpy" in sys.modules:  # a cold process seeds numpy's global generator from the OS; so does each child
         sys.modules["numpy"].random.seed()
     _leave_the_servers_resources_alone()
@@ -188,17 +206,89 @@ def _child(req: dict, fds: list[int]) -> None:
     os._exit(code)
 
 
+def _die_with_parent(sig: int) -> None:
+    """Ask the kernel for `sig` when the parent dies (prctl PR_SET_PDEATHSIG; Linux only, else polling alone)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _end_runs(runs: dict[int, socket.socket]) -> None:
+    """SIGKILL every unfinished run's process group, then reap the runs. A run's pid cannot be reused while the
+    server has not reaped it, so its group is still its own; its ranks and resource tracker are in it."""
+    for pid in runs:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 5
+    for pid in list(runs):
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.01)
+
+
 def serve(sock_path: str) -> None:
-    missing = _preload()
+    """Answer run requests until the pytest process that started the server is gone or signals it to stop.
+
+    Each run leads its own process group (set on both sides of the fork, so it holds before the pid is answered).
+    The server SIGKILLs a run's whole group when the client gives up on it (its connection closes: a timeout,
+    or pytest killed) and every unfinished run's group when it stops: on SIGTERM or SIGINT, and when its parent
+    dies, told by PR_SET_PDEATHSIG (also during the imports) and seen by polling getppid(). It then ends with
+    os._exit: the preloaded libraries' atexit functions are not run (nothing of theirs outlives the server), and
+    the socket's directory, the client's, goes with it."""
     parent = os.getppid()
+    runs: dict[int, socket.socket] = {}  # unfinished run's pid -> the connection its exit status goes to
+
+    def stop(*_) -> None:
+        _end_runs(runs)
+        media = getattr(sys.modules.get("wandb.sdk.data_types._private"), "MEDIA_TMP", None)
+        if media is not None:  # W&B's directory made at import, which its atexit function would remove
+            shutil.rmtree(media.name, ignore_errors=True)
+        if os.getppid() != parent:  # the client cannot remove its directory any more
+            shutil.rmtree(os.path.dirname(sock_path), ignore_errors=True)
+        os._exit(0)
+
+    def parent_died(*_) -> None:  # also sent when the thread that started the server ends: stop only if it is gone
+        if os.getppid() != parent:
+            stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(PARENT_DIED, parent_died)
+    _die_with_parent(PARENT_DIED)
+    parent_died()  # before the prctl
+    missing = _preload()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path)
     srv.listen(8)
     print(json.dumps({"ready": True, "missing": missing}), flush=True)
-    waiting: dict[int, socket.socket] = {}
-    while os.getppid() == parent:  # the pytest process that started this server is gone: stop
-        readable, _, _ = select.select([srv], [], [], 0.05)
-        if readable:
+    while os.getppid() == parent:
+        conns = {c.fileno(): pid for pid, c in runs.items()}
+        readable, _, _ = select.select([srv, *conns], [], [], 0.05)
+        for fd in readable:
+            if fd is srv or fd not in conns:
+                continue
+            pid = conns[fd]  # a client sends nothing after its request: this is its end, before the run's
+            try:
+                gone = not runs[pid].recv(1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if srv in readable:
             conn, _ = srv.accept()
             buf = b""
             while not buf.endswith(b"\n"):
@@ -209,19 +299,25 @@ def serve(sock_path: str) -> None:
             req = json.loads(buf)
             sys.stdout.flush()
             sys.stderr.flush()
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # stop() must know every run it kills
             pid = _fork()
             if pid == 0:
-                _child(req, [srv.fileno(), conn.fileno(), *(c.fileno() for c in waiting.values())])
+                _child(req, [srv.fileno(), conn.fileno(), *(c.fileno() for c in runs.values())], held)
+            runs[pid] = conn
+            try:
+                os.setpgid(pid, pid)
+            except OSError:  # the child has done it, or already exited
+                pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             conn.sendall(f"{pid}\n".encode())
-            waiting[pid] = conn
-        while waiting:
+        while runs:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            conn = waiting.pop(pid, None)
+            conn = runs.pop(pid, None)
             if conn is not None:
                 code = os.waitstatus_to_exitcode(status)
                 try:
@@ -229,7 +325,7 @@ def serve(sock_path: str) -> None:
                 except OSError:
                     pass
                 conn.close()
-    srv.close()
+    stop()
 
 
 # -- client ------------------------------------------------------------------------------------------------------
@@ -277,18 +373,19 @@ class _Server:
                 s.connect(self.sock)
                 s.sendall((json.dumps(req) + "\n").encode())
                 f = s.makefile("r")
-                pid = int(f.readline())
+                f.readline()  # the run's pid
                 s.settimeout(timeout)
                 try:
                     line = f.readline()
                 except (socket.timeout, TimeoutError):
                     line = None
-                if not line:  # timed out (or the server died): kill the child as subprocess.run would
+                if not line:  # timed out (or the server died): the server kills the run's group when we hang up
                     try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
+                        s.shutdown(socket.SHUT_WR)
+                        s.settimeout(30)
+                        s.recv(64)  # its exit status, once the server has reaped it
+                    except OSError:  # socket.timeout included
                         pass
-                    time.sleep(0.2)
                     raise subprocess.TimeoutExpired([module, *args], timeout, output(out), output(err))
                 code = int(line)
             return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, output(out), output(err))

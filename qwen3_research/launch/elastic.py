@@ -80,6 +80,7 @@ def worker(run: ResolvedRun, info: dict) -> dict:
     from qwen3_research.startup import quiet_libraries
     from qwen3_research.trainer import Trainer
 
+    _wait_until_every_rank_is_forked()
     quiet_libraries()  # a spawned rank starts with Python's defaults
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     trainer = Trainer(run, RunInfo(**info))
@@ -134,6 +135,47 @@ def _sigint_held_for_workers():
             signal.signal(s, h)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         done.set()
+
+
+# The gate of the launch in progress when the ranks are forked (None otherwise): a forked rank inherits it.
+_FORK_GATE = None
+FORK_GATE_TIMEOUT_S = 300.0
+
+
+@contextmanager
+def _ranks_start_after_the_last_fork(start_method: str, nproc: int):
+    """Forked ranks touch the network only once the agent has forked all of them.
+
+    The agent's TCPStore server thread (``pt_tcpstore_uv``) resolves the address of every connection it accepts
+    (glibc's getnameinfo, under the resolver's process-wide lock). A rank forked while that thread held the lock
+    (serving a sibling forked just before, which had already connected) inherited it locked, and hung for good
+    in its first getaddrinfo (connecting to MASTER_ADDR, a host name), its siblings in gloo's rendezvous waiting
+    for it: 1 in ~50 four-rank runs on 2 busy cores (tests/test_parallel.py::test_fsdp_tp_four_ranks_from_one_command,
+    issue 33; a py-spy dump showed the rank in __resolv_context_get -> __lll_lock_wait_private). With every rank
+    waiting at a barrier first, no rank connects while the agent forks, so the agent's server thread has nothing
+    to resolve then. Spawned ranks start from a fresh process and need no gate."""
+    global _FORK_GATE
+    if start_method != "fork" or nproc < 2:
+        yield
+        return
+    import multiprocessing
+
+    _FORK_GATE = multiprocessing.get_context("fork").Barrier(nproc)
+    try:
+        yield
+    finally:
+        _FORK_GATE = None
+
+
+def _wait_until_every_rank_is_forked() -> None:
+    if _FORK_GATE is None:
+        return
+    from threading import BrokenBarrierError
+
+    try:
+        _FORK_GATE.wait(FORK_GATE_TIMEOUT_S)
+    except BrokenBarrierError:
+        raise RuntimeError(f"the other local ranks were not all started within {FORK_GATE_TIMEOUT_S:.0f} s") from None
 
 
 @contextmanager
@@ -265,7 +307,8 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
         start_method=_start_method(rc),
     )
     try:
-        with _sigint_held_for_workers(), _no_worker_left_behind(), _elastic_logs_off_console():
+        with _sigint_held_for_workers(), _no_worker_left_behind(), _elastic_logs_off_console(), \
+                _ranks_start_after_the_last_fork(config.start_method, run.nproc_per_node):
             results = elastic_launch(config, _recorded_worker)(run, asdict(info))
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
