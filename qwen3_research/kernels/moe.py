@@ -132,11 +132,20 @@ def _bwd_impl(gy, x, w1, w2, w3, counts, a, b, pad_limit):
     return dx, dw1, dw2, dw3
 
 
+def _no_autocast(t: torch.Tensor):
+    """The kernels compute in their inputs' dtype, which the module override chose (``make_experts_forward``).
+    Under a run's autocast (``training.mixed_precision=bf16`` on one process) a custom op's body would otherwise
+    be autocast op by op: its ``torch.bmm(..., out=)`` into a buffer of the weights' dtype then fails ("Expected out
+    tensor to have dtype BFloat16, but got float") and the saved pre-activations change dtype behind the fake."""
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
 @torch.library.custom_op(f"{NS}::moe_experts_fwd", mutates_args=())
 def moe_experts_fwd(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor, pad_limit: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd_impl(x, w1, w2, w3, counts, pad_limit)
+    with _no_autocast(x):
+        return _fwd_impl(x, w1, w2, w3, counts, pad_limit)
 
 
 @moe_experts_fwd.register_fake
@@ -150,7 +159,8 @@ def moe_experts_bwd(
     gy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
     counts: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pad_limit: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd_impl(gy.contiguous(), x, w1, w2, w3, counts, a, b, pad_limit)
+    with _no_autocast(x):  # loss.backward() may run inside the step's autocast (CPU runs backward on its thread)
+        return _bwd_impl(gy.to(x.dtype).contiguous(), x, w1, w2, w3, counts, a, b, pad_limit)
 
 
 @moe_experts_bwd.register_fake
@@ -185,6 +195,16 @@ _DTYPES = {"input": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _CLASS_CACHE: dict = {}
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an ``input``-dtype kernel computes in: autocast's where the run autocasts (bf16 on one process,
+    as torchtitan's own GroupedExperts computes there), else the activations' (float32, or bf16 under FSDP2 bf16
+    parameters)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
 def make_experts_forward(op, default_options: dict):
     """A GroupedExperts.forward computing with ``op(x, w1, w2, w3, counts, **options)``."""
 
@@ -199,8 +219,9 @@ def make_experts_forward(op, default_options: dict):
         counts = num_tokens_per_expert_E
         titan.mark_expert_counts_varying(counts)
         opts = {**default_options, **self._kernel_options}
-        dt = _DTYPES[opts.pop("dtype", "input")] or x_RD.dtype
-        y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
+        dt = _DTYPES[opts.pop("dtype", "input")] or compute_dtype(x_RD)
+        with torch.autocast(device_type=x_RD.device.type, enabled=False):  # the casts below are the kernel's own
+            y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
         return y.type_as(x_RD)
 
     return forward
@@ -280,7 +301,8 @@ register(KernelSpec(
 
 
 def _moe_reference_op(x, w1, w2, w3, counts):
-    return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
+    with _no_autocast(x):  # the float32 reference stays float32 inside a bf16 autocast run
+        return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
 
 
 register(KernelSpec(
@@ -288,6 +310,6 @@ register(KernelSpec(
     description="the float32 reference as a module override (per-expert loop, ATen autograd): "
     "torchtitan's expert math without its bf16 cast, for comparisons",
     module_types=("GroupedExperts",),
-    install=install_experts("moe_reference", _moe_reference_op, {}),
+    install=install_experts("moe_reference", _moe_reference_op, {"dtype": "float32"}),  # float32 under autocast too
     requirements=Requirements(devices=("cpu", "cuda", "neuron")),
 ))
