@@ -21,10 +21,20 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
 from qwen3_research.kernels.verify import _err, _local, _worst, random_routing
 
 NS = "qwen3_research"
+
+# Where moe_fast was timed against the module it replaces (torchtitan's GroupedExperts, bf16 _grouped_mm), forward +
+# backward: ratio = module time / kernel time (> 1: faster). A speed kernel applies only where it is faster
+# (registry.speed_note); add a row when a benchmark runs on a new device kind (benchmarks/bench_kernels.py).
+MOE_FAST_MEASURED = (
+    Measured("cpu-avx2", "float32", 9.79, "RESULTS.md row 8", "E=64 top-8 D=256 F=128"),
+    Measured("cpu-avx512bf16", "float32", 0.44, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "bfloat16", 0.89, "RESULTS.md row 17", "tiny"),
+    Measured("cuda", "float32", 0.51, "RESULTS.md row 16", "H200 MoE debug step"),
+)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -269,7 +279,9 @@ def verify_moe(module, shapes: dict, device, options: dict, *, op, default_optio
     w2 = torch.randn(E, D, Fh, generator=gen) * Fh**-0.5
     gy = torch.randn(R, D, generator=gen)
     opts = {**default_options, **{k: v for k, v in options.items() if k != "dtype"}}
-    dt = _DTYPES[options.get("dtype", "input")] or torch.float32
+    # the dtype the kernel computes in within this run: options.dtype, else the run's (``run_shapes``: bfloat16
+    # under training.mixed_precision=bf16, as autocast or FSDP2's bf16 parameters hand it to the module)
+    dt = _DTYPES[options.get("dtype", "input")] or shapes.get("dtype", torch.float32)
     cdt = compute_dtype or dt
 
     ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
@@ -297,6 +309,8 @@ register(KernelSpec(
     install=install_experts("moe_fast", moe_fast, {"pad_limit": 2.0}),
     requirements=Requirements(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")),
     verify=_verify,
+    speed=True,
+    measured=MOE_FAST_MEASURED,
 ))
 
 
