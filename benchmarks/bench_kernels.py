@@ -8,7 +8,7 @@ Contenders take turns repeat by repeat in one process, on the same weights and i
 * MoE (``moe_fast``; ``triton_moe`` on cuda): torchtitan's ``GroupedExperts`` as built (its bf16 ``_grouped_mm``)
   vs the same module with the kernel installed (``kernels.registry`` swaps its class), on expert-sorted rows
   with random top-k routing. Shapes: ``model`` = ``model=native_moe`` tiny (E=8, top-2, D=128, F=128) at the
-  default run's 4 × 128 tokens; ``30b`` = Qwen3-30B-A3B's experts (E=128, top-8, D=2048, F=768) at 4096 tokens.
+  default run's 4 × 128 tokens; ``30b`` = Qwen3-30B-A3B's experts (E=128, top-8, D=2048, F=768) at 2048 tokens (``--tokens-30b``).
 * RoPE (``rope_fast``; ``triton_rope`` on cuda): torchtitan's ``CosSinRoPE`` vs the kernel, q and k together.
   ``model`` = tiny (4 × 128 tokens, 4 q / 2 kv heads of 32); ``30b`` = Qwen3-30B-A3B's attention (1 × 4096
   tokens, 32 q / 4 kv heads of 128).
@@ -150,8 +150,8 @@ def bench(base_fn, kern_fn, repeats: int, dev, min_s: float):
         sync(dev)
         return (clock() - t0) / n
 
-    base_fn(), kern_fn()  # warm-up (first-call allocations, Triton compiles)
-    n = max(1, int(min_s / max(timed(base_fn, 1), timed(kern_fn, 1), 1e-6)))  # calls per sample
+    # warm-up (first-call allocations, Triton compiles), timed to choose the calls per sample
+    n = max(1, int(min_s / max(timed(base_fn, 1), timed(kern_fn, 1), 1e-6)))
     tb, tk = [], []
     for i in range(repeats):
         for fn, out in ((base_fn, tb), (kern_fn, tk)) if i % 2 == 0 else ((kern_fn, tk), (base_fn, tb)):
@@ -167,8 +167,8 @@ def main():
     p.add_argument("--kernels", default="")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-s", type=float, default=0.3, help="least time per sample (calls are repeated to reach it)")
-    p.add_argument("--repeats-30b", type=int, default=3)
-    p.add_argument("--tokens-30b", type=int, default=4096)
+    p.add_argument("--repeats-30b", type=int, default=2)
+    p.add_argument("--tokens-30b", type=int, default=2048)
     p.add_argument("--device", default="")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (default 1: on a shared machine a waiting OpenMP thread spins, and its CPU time "

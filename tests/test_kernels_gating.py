@@ -107,7 +107,9 @@ def test_the_reference_is_always_applied(capsys):
     model = _model()
     plan = apply_overrides(model, _cfg("moe_reference", option="reference"), CPU)
     assert len(plan["moe_reference"]) == 4 and not plan.kept
-    assert not KERNELS["moe_reference"].speed and not KERNELS["nki_moe"].speed
+    assert KERNELS["moe_reference"].reference and not KERNELS["moe_reference"].speed and not KERNELS["nki_moe"].speed
+    line = capsys.readouterr().out.split("moe_reference [type:GroupedExperts]")[1].split("\n")[0]
+    assert line == " -> 4 module(s):", line  # no speed note: a correctness tool
 
 
 def test_speed_options_name_their_records():
@@ -121,3 +123,9 @@ def test_speed_options_name_their_records():
     assert speed_note(KERNELS["moe_fast"], "cuda", "float32")[0] is False
     assert "0.83x" in speed_note(KERNELS["triton_moe"], "cuda", "bfloat16")[1]
     assert "0.51x" in speed_note(KERNELS["moe_fast"], "cuda", "float32")[1]
+
+
+def test_nki_speed_is_not_measured_until_a_trainium_host_runs_the_benchmark():
+    """NKI kernels are not speed-gated (a Trainium run asks for them) but the plan says their speed is unknown."""
+    assert speed_note(KERNELS["nki_moe"], "neuron", "bfloat16") == (False, "not measured on neuron bfloat16")
+    assert speed_note(KERNELS["nki_rope"], "neuron", "float32") == (False, "not measured on neuron float32")

@@ -326,4 +326,5 @@ register(KernelSpec(
     module_types=("GroupedExperts",),
     install=install_experts("moe_reference", _moe_reference_op, {"dtype": "float32"}),  # float32 under autocast too
     requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+    reference=True,
 ))

@@ -99,6 +99,7 @@ class KernelSpec:
     # (the references, a correctness tool; the NKI kernels, the point of a Trainium run, not yet timed there).
     speed: bool = False
     measured: tuple[Measured, ...] = ()
+    reference: bool = False  # a float32 reference as an override (kernels=reference): no speed note at all
 
 
 class KernelPlan(dict):
@@ -341,9 +342,12 @@ def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
     kind, dtype = device_kind(device.type), run_dtype(cfg)
     for label, entry in entry_labels(kc.entries):
         spec = KERNELS[entry.name]
-        if not plan.get(label) or not spec.speed:
+        if not plan.get(label) or spec.reference:
             continue
         faster, note = speed_note(spec, kind, dtype)
+        if not spec.speed:  # the NKI kernels: applied where they run, their speed shown as recorded or not
+            out.speed[label] = f"{note}; not speed-gated"
+            continue
         if faster:
             out.speed[label] = note
         elif getattr(kc, "force", False):

@@ -183,4 +183,5 @@ register(KernelSpec(
     module_types=("CosSinRoPE",),
     install=install_rope("rope_reference", lambda x, c, s: rope_reference(x, c, s).to(x.dtype)),
     requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+    reference=True,
 ))
