@@ -13,7 +13,7 @@ module gets bf16 weights and bf16 activations and no autocast).
 * Multi-rank cells (layouts ``fsdp2``, ``ep2`` for MoE kernels, ``tp2`` for RoPE): 2-step runs of the real CLI
   (tiny MoE, 2 × 32 tokens) with ``kernels=fast`` (moe_fast + rope_fast; ``kernels.force=true`` so the kernels
   run whatever the measurements say) against the ``kernels=none`` twin; losses within 1e-3 (fp32: torchtitan's
-  bf16 experts vs moe_fast's fp32) or 3e-2 (bf16). ``slow`` (they still run in CI).
+  bf16 experts vs moe_fast's fp32) or 5e-3 (bf16). ``slow`` (they still run in CI).
 * CUDA-only kernels (``triton_*``) are in the same matrix where a GPU is present, skipped with the reason
   otherwise; NKI kernels are skipped with the reason (their contract tests: tests/test_nki_contract.py).
 
@@ -228,6 +228,6 @@ def test_kernels_fast_multi_rank_matches_none(tmp_path, layout, precision):
     assert "rope_fast [layers.*.attention.rope] -> 4 module(s)" in proc.stdout
     _, none = _cli_losses(tmp_path, "none", ["kernels=none", *args])
     diff = max(abs(a - b) for a, b in zip(fast, none))
-    tol = 1e-3 if precision == "fp32" else 3e-2
+    tol = 1e-3 if precision == "fp32" else 5e-3  # measured here: <= 5e-5 fp32, <= 5e-4 bf16 (tp2)
     print(f"{layout} {precision}: 2-step max |loss(fast) - loss(none)| = {diff:.2e} (tol {tol:.0e}); {fast} vs {none}")
     assert len(fast) == len(none) == 2 and diff < tol
