@@ -32,7 +32,9 @@ NS = "qwen3_research"
 MOE_FAST_MEASURED = (
     Measured("cpu-avx2", "float32", 9.79, "RESULTS.md row 8", "E=64 top-8 D=256 F=128"),
     Measured("cpu-avx512bf16", "float32", 0.44, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "float32", 0.64, "RESULTS.md row 17", "30B-A3B"),
     Measured("cpu-avx512bf16", "bfloat16", 0.89, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "bfloat16", 0.89, "RESULTS.md row 17", "30B-A3B"),
     Measured("cuda", "float32", 0.51, "RESULTS.md row 16", "H200 MoE debug step"),
 )
 

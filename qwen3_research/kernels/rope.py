@@ -23,7 +23,9 @@ NS = "qwen3_research"
 # kernel time (> 1: faster); registry.speed_note reads it (benchmarks/bench_kernels.py adds rows).
 ROPE_FAST_MEASURED = (
     Measured("cpu-avx512bf16", "float32", 0.65, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "float32", 1.85, "RESULTS.md row 17", "30B-A3B"),
     Measured("cpu-avx512bf16", "bfloat16", 0.71, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "bfloat16", 1.52, "RESULTS.md row 17", "30B-A3B"),
 )
 
 
