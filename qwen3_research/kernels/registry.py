@@ -19,6 +19,9 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
   constraints, once the device fits) -> one one-line ``ConfigError`` listing each with what to change;
   the model-independent part is ``kernel_support``, the one check a run, ``verify_kernels`` and the
   doctor share;
+* a speed kernel (``KernelSpec.speed``: moe_fast, rope_fast, triton_*) keeps the module it would replace unless
+  its ``KernelSpec.measured`` says it is faster on this device kind and the run's dtype, or ``kernels.force=true``;
+  the plan says which in one line per entry (issue 30);
 * each matched module's class is swapped for the kernel's subclass (parameters, buffers,
   state-dict keys unchanged), so FSDP2, tensor parallel and checkpoints see the same module.
 """
@@ -26,6 +29,7 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import os
 import warnings
@@ -123,6 +127,7 @@ def device_kind(device_type: str) -> str:
     return _cpu_kind()
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_kind() -> str:
     try:
         with open("/proc/cpuinfo") as f:
