@@ -17,6 +17,8 @@ Custom ops (``torch.library.custom_op``), opaque to torch.compile, with fake imp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -149,7 +151,13 @@ def _no_autocast(t: torch.Tensor):
     Under a run's autocast (``training.mixed_precision=bf16`` on one process) a custom op's body would otherwise
     be autocast op by op: its ``torch.bmm(..., out=)`` into a buffer of the weights' dtype then fails ("Expected out
     tensor to have dtype BFloat16, but got float") and the saved pre-activations change dtype behind the fake."""
-    return torch.autocast(device_type=t.device.type, enabled=False)
+    return _autocast_off(t.device.type)
+
+
+def _autocast_off(kind: str):
+    if not torch.amp.is_autocast_available(kind):  # meta: no autocast to turn off
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, enabled=False)
 
 
 @torch.library.custom_op(f"{NS}::moe_experts_fwd", mutates_args=())
@@ -212,7 +220,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     as torchtitan's own GroupedExperts computes there), else the activations' (float32, or bf16 under FSDP2 bf16
     parameters)."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype
 
@@ -232,7 +240,7 @@ def make_experts_forward(op, default_options: dict):
         titan.mark_expert_counts_varying(counts)
         opts = {**default_options, **self._kernel_options}
         dt = _DTYPES[opts.pop("dtype", "input")] or compute_dtype(x_RD)
-        with torch.autocast(device_type=x_RD.device.type, enabled=False):  # the casts below are the kernel's own
+        with _autocast_off(x_RD.device.type):  # the casts below are the kernel's own
             y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
         return y.type_as(x_RD)
 
