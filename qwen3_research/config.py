@@ -83,7 +83,10 @@ class KernelEntry:
 class KernelsConfig:
     option: Optional[str] = None  # the conf/kernels option's name, for messages (kernels=<option>)
     entries: List[KernelEntry] = field(default_factory=list)
-    verify: bool = False  # compare every active kernel with its float32 reference at start-up
+    verify: bool = False  # compare every active kernel with its float32 reference at start-up, in the run's dtype
+    # apply a speed kernel (moe_fast, rope_fast, triton_*) even where it was not measured faster on this device kind
+    # and dtype (KernelSpec.measured): for experiments; by default such a kernel keeps the module it would replace
+    force: bool = False
 
 
 @dataclass

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         # In the worker, the overrides' own checks on the model it built (what resolve_run checked on the meta
         # device, now with the device's dtypes), then the install without kernels.verify: verified once, below.
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
-        plan = install(backend.model, resolve(backend.model, rc, device), rc, device)
+        # gate=False: a speed kernel is checked whether or not this run would apply it here (the plan says which)
+        plan = install(backend.model, resolve(backend.model, rc, device, gate=False), rc, device)
         checks = verify_plan(backend.model, plan, rc, device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

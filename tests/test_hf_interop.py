@@ -209,7 +209,7 @@ def run_worker(tmp_path: Path, hf_dir: Path, moe: bool, layout: list[str], nproc
 def test_sharded_load_parity(odd_dirs, tmp_path, layout, moe):
     """2 ranks (gloo): every rank reads only its shards; logits equal transformers' on the same batch."""
     hf_dir = odd_dirs["moe6_top3_tied" if moe else "untied"]
-    extra = ["kernels=moe_fast", "kernels.entries.0.options.dtype=float32"] if moe else []
+    extra = ["kernels=moe_fast", "kernels.force=true", "kernels.entries.0.options.dtype=float32"] if moe else []
     rows = run_worker(tmp_path, hf_dir, moe, [f"parallelism={layout}"], 2, layout, extra)
     tol = MOE_FP32_TOL if moe else DENSE_TOL
     for r in rows:

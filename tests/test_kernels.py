@@ -40,8 +40,11 @@ def moe_model():
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0).model
 
 
-def _cfg(entries, seq_len=32, option=None, verify=False):
+def _cfg(entries, seq_len=32, option=None, verify=False, force=True):
+    """force: the kernels are installed whatever their speed measurements say (tests/test_kernels_gating.py tests the
+    gate itself)."""
     cfg = RunConfig()
+    cfg.kernels.force = force
     cfg.kernels.entries = [KernelEntry(name=n, target=t, options=o or {}) for n, t, *rest in entries for o in [rest[0] if rest else {}]]
     cfg.kernels.option = option
     cfg.kernels.verify = verify
@@ -133,8 +136,9 @@ def test_apply_prints_plan_and_swaps_classes(capsys):
     plan = apply_overrides(model, _cfg([("moe_fast", EXPERTS), ("rope_fast", "type:CosSinRoPE")], option="fast", verify=True), CPU)
     out = capsys.readouterr().out
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in out
-    assert "  moe_fast [layers.*.moe.routed_experts.inner_experts] -> 4 module(s):\n    layers.0.moe.routed_experts.inner_experts" in out
-    assert "  rope_fast [type:CosSinRoPE] -> 4 module(s):" in out
+    assert re.search(r"  moe_fast \[layers\.\*\.moe\.routed_experts\.inner_experts\] -> 4 module\(s\) \(.*; applied: "
+                     r"kernels\.force=true\):\n    layers\.0\.moe\.routed_experts\.inner_experts", out), out
+    assert "  rope_fast [type:CosSinRoPE] -> 4 module(s) (" in out
     assert "moe_fast     x(128,128) E=8 F=128 top2 float32" in out and out.count("PASS") == 2  # kernels.verify=true
     assert type(model.layers["0"].moe.routed_experts.inner_experts).__name__ == "GroupedExperts_moe_fast"
     assert list(model.state_dict()) == keys  # same parameters and checkpoint keys
@@ -267,7 +271,7 @@ def _run(tmp_path, name, args, steps=10):
 
 
 def test_ten_steps_with_kernels_reproduce_the_float32_reference_run(tmp_path):
-    proc, fast = _run(tmp_path, "fast", ["kernels=fast"])
+    proc, fast = _run(tmp_path, "fast", ["kernels=fast", "kernels.force=true"])
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # printed by the run
     _, ref = _run(tmp_path, "ref", ["kernels=reference"])
     assert len(fast) == len(ref) == 10
@@ -278,7 +282,7 @@ def test_ten_steps_with_kernels_reproduce_the_float32_reference_run(tmp_path):
 
 def test_ten_steps_rope_kernel_reproduces_torchtitan_dense(tmp_path):
     fast = [a for a in FAST if not a.startswith("training.steps")] + ["training.steps=10"]
-    a = run_cli(["model=native", *fast, "kernels=rope_fast"], run_dir=tmp_path / "a", timeout=600)
+    a = run_cli(["model=native", *fast, "kernels=rope_fast", "kernels.force=true"], run_dir=tmp_path / "a", timeout=600)
     b = run_cli(["model=native", *fast, "kernels=none"], run_dir=tmp_path / "b", timeout=600)
     assert_ok(a)
     assert_ok(b)
@@ -294,7 +298,7 @@ def test_ten_steps_rope_kernel_reproduces_torchtitan_dense(tmp_path):
     ["parallelism.nproc_per_node=2", "parallelism.tp=2", "parallelism.dp_shard=1"],
 ], ids=["dp_shard2", "tp2"])
 def test_kernels_multi_process(tmp_path, layout):
-    proc, fast = _run(tmp_path, "fast", ["kernels=fast", *layout], steps=4)
+    proc, fast = _run(tmp_path, "fast", ["kernels=fast", "kernels.force=true", *layout], steps=4)
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # installed in the workers
     proc, ref = _run(tmp_path, "ref", ["kernels=reference", *layout], steps=4)
     assert "kernel plan (kernels=reference): 8 module(s) overridden" in proc.stdout

@@ -303,7 +303,8 @@ def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
     from qwen3_research.kernels.verify import verify_plan
     from qwen3_research.models import build
 
-    rc = to_run_config(compose_resolved(["model=native_moe", "kernels=fast", "data.seq_len=32", "data.batch_size=2"]))
+    rc = to_run_config(compose_resolved(["model=native_moe", "kernels=fast", "kernels.force=true", "data.seq_len=32",
+                                         "data.batch_size=2"]))  # force: installed here whatever the measurements say
     devices.prepare_torchtitan("cpu")
     model = build(rc.model, torch.device("cpu"), seq_len=32, seed=0).model
     device = SimpleNamespace(type="cpu", lnc=None, torch_device=torch.device("cpu"))

@@ -17,14 +17,28 @@ Custom ops (``torch.library.custom_op``), opaque to torch.compile, with fake imp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
 from qwen3_research.kernels.verify import _err, _local, _worst, random_routing
 
 NS = "qwen3_research"
+
+# Where moe_fast was timed against the module it replaces (torchtitan's GroupedExperts, bf16 _grouped_mm), forward +
+# backward: ratio = module time / kernel time (> 1: faster). A speed kernel applies only where it is faster
+# (registry.speed_note); add a row when a benchmark runs on a new device kind (benchmarks/bench_kernels.py).
+MOE_FAST_MEASURED = (
+    Measured("cpu-avx2", "float32", 9.79, "RESULTS.md row 8", "E=64 top-8 D=256 F=128"),
+    Measured("cpu-avx512bf16", "float32", 0.44, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "float32", 0.64, "RESULTS.md row 17", "30B-A3B"),
+    Measured("cpu-avx512bf16", "bfloat16", 0.89, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "bfloat16", 0.89, "RESULTS.md row 17", "30B-A3B"),
+    Measured("cuda", "float32", 0.51, "RESULTS.md row 16", "H200 MoE debug step"),
+)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -132,11 +146,26 @@ def _bwd_impl(gy, x, w1, w2, w3, counts, a, b, pad_limit):
     return dx, dw1, dw2, dw3
 
 
+def _no_autocast(t: torch.Tensor):
+    """The kernels compute in their inputs' dtype, which the module override chose (``make_experts_forward``).
+    Under a run's autocast (``training.mixed_precision=bf16`` on one process) a custom op's body would otherwise
+    be autocast op by op: its ``torch.bmm(..., out=)`` into a buffer of the weights' dtype then fails ("Expected out
+    tensor to have dtype BFloat16, but got float") and the saved pre-activations change dtype behind the fake."""
+    return _autocast_off(t.device.type)
+
+
+def _autocast_off(kind: str):
+    if not torch.amp.is_autocast_available(kind):  # meta: no autocast to turn off
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=kind, enabled=False)
+
+
 @torch.library.custom_op(f"{NS}::moe_experts_fwd", mutates_args=())
 def moe_experts_fwd(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor, pad_limit: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd_impl(x, w1, w2, w3, counts, pad_limit)
+    with _no_autocast(x):
+        return _fwd_impl(x, w1, w2, w3, counts, pad_limit)
 
 
 @moe_experts_fwd.register_fake
@@ -150,7 +179,8 @@ def moe_experts_bwd(
     gy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
     counts: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pad_limit: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd_impl(gy.contiguous(), x, w1, w2, w3, counts, a, b, pad_limit)
+    with _no_autocast(x):  # loss.backward() may run inside the step's autocast (CPU runs backward on its thread)
+        return _bwd_impl(gy.to(x.dtype).contiguous(), x, w1, w2, w3, counts, a, b, pad_limit)
 
 
 @moe_experts_bwd.register_fake
@@ -185,6 +215,16 @@ _DTYPES = {"input": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _CLASS_CACHE: dict = {}
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an ``input``-dtype kernel computes in: autocast's where the run autocasts (bf16 on one process,
+    as torchtitan's own GroupedExperts computes there), else the activations' (float32, or bf16 under FSDP2 bf16
+    parameters)."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
 def make_experts_forward(op, default_options: dict):
     """A GroupedExperts.forward computing with ``op(x, w1, w2, w3, counts, **options)``."""
 
@@ -199,8 +239,9 @@ def make_experts_forward(op, default_options: dict):
         counts = num_tokens_per_expert_E
         titan.mark_expert_counts_varying(counts)
         opts = {**default_options, **self._kernel_options}
-        dt = _DTYPES[opts.pop("dtype", "input")] or x_RD.dtype
-        y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
+        dt = _DTYPES[opts.pop("dtype", "input")] or compute_dtype(x_RD)
+        with _autocast_off(x_RD.device.type):  # the casts below are the kernel's own
+            y = op(x_RD.to(dt), w1.to(dt), w2.to(dt), w3.to(dt), counts, **opts)
         return y.type_as(x_RD)
 
     return forward
@@ -248,7 +289,9 @@ def verify_moe(module, shapes: dict, device, options: dict, *, op, default_optio
     w2 = torch.randn(E, D, Fh, generator=gen) * Fh**-0.5
     gy = torch.randn(R, D, generator=gen)
     opts = {**default_options, **{k: v for k, v in options.items() if k != "dtype"}}
-    dt = _DTYPES[options.get("dtype", "input")] or torch.float32
+    # the dtype the kernel computes in within this run: options.dtype, else the run's (``run_shapes``: bfloat16
+    # under training.mixed_precision=bf16, as autocast or FSDP2's bf16 parameters hand it to the module)
+    dt = _DTYPES[options.get("dtype", "input")] or shapes.get("dtype", torch.float32)
     cdt = compute_dtype or dt
 
     ins = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
@@ -276,11 +319,14 @@ register(KernelSpec(
     install=install_experts("moe_fast", moe_fast, {"pad_limit": 2.0}),
     requirements=Requirements(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")),
     verify=_verify,
+    speed=True,
+    measured=MOE_FAST_MEASURED,
 ))
 
 
 def _moe_reference_op(x, w1, w2, w3, counts):
-    return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
+    with _no_autocast(x):  # the float32 reference stays float32 inside a bf16 autocast run
+        return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
 
 
 register(KernelSpec(
@@ -288,6 +334,7 @@ register(KernelSpec(
     description="the float32 reference as a module override (per-expert loop, ATen autograd): "
     "torchtitan's expert math without its bf16 cast, for comparisons",
     module_types=("GroupedExperts",),
-    install=install_experts("moe_reference", _moe_reference_op, {}),
+    install=install_experts("moe_reference", _moe_reference_op, {"dtype": "float32"}),  # float32 under autocast too
     requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+    reference=True,
 ))

@@ -19,6 +19,9 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
   constraints, once the device fits) -> one one-line ``ConfigError`` listing each with what to change;
   the model-independent part is ``kernel_support``, the one check a run, ``verify_kernels`` and the
   doctor share;
+* a speed kernel (``KernelSpec.speed``: moe_fast, rope_fast, triton_*) keeps the module it would replace unless
+  its ``KernelSpec.measured`` says it is faster on this device kind and the run's dtype, or ``kernels.force=true``;
+  the plan says which in one line per entry (issue 30);
 * each matched module's class is swapped for the kernel's subclass (parameters, buffers,
   state-dict keys unchanged), so FSDP2, tensor parallel and checkpoints see the same module.
 """
@@ -26,6 +29,7 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import os
 import warnings
@@ -64,6 +68,19 @@ class Requirements:
     check: Callable[..., tuple[list[str], list[str]]] | None = None
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One speed measurement of a kernel against the module it replaces (forward + backward, the same shapes):
+    ``ratio`` = time(module) / time(kernel), > 1 when the kernel is faster; ``where`` = the record
+    (``benchmarks/RESULTS.md`` row) it comes from."""
+
+    device: str  # device kind (``device_kind``): cpu-avx512bf16 | cpu-avx512 | cpu-avx2 | cuda | neuron
+    dtype: str  # the run's compute dtype: float32 | bfloat16
+    ratio: float
+    where: str
+    shape: str = ""  # which shape, where several were measured (e.g. "tiny", "30B-A3B")
+
+
 @dataclass
 class KernelSpec:
     """One kernel: which module class it replaces, how, and how to check it."""
@@ -81,14 +98,68 @@ class KernelSpec:
     # (first matched module, options, cfg, device, number of matched modules) -> (lines for the kernel
     # plan, bytes the kernel keeps for backward on one rank): what it costs beyond the module it replaces.
     cost: Callable[..., tuple[list[str], int]] | None = None
+    # Its name promises speed (moe_fast, rope_fast, triton_*): it replaces a module only on a device kind and dtype
+    # where ``measured`` says it is faster, unless ``kernels.force=true``. False: always applied when asked for
+    # (the references, a correctness tool; the NKI kernels, the point of a Trainium run, not yet timed there).
+    speed: bool = False
+    measured: tuple[Measured, ...] = ()
+    reference: bool = False  # a float32 reference as an override (kernels=reference): no speed note at all
 
 
 class KernelPlan(dict):
     """Entry label -> matched module FQNs (what ``apply_overrides`` returns), with the printed ``text`` and
-    ``saved_bytes``: per entry, what its kernel keeps for backward on this rank (``KernelSpec.cost``)."""
+    ``saved_bytes``: per entry, what its kernel keeps for backward on this rank (``KernelSpec.cost``).
+    ``speed``: per entry with a match, its one-line speed note (``speed_note``); ``kept``: the entries a speed
+    option did not apply (not measured faster here) -> the module FQNs that keep their own module."""
 
     text: str = ""
     saved_bytes: dict = {}
+    speed: dict = {}
+    kept: dict = {}
+
+
+# -- applied only where faster (issue 30) -----------------------------------------------------------
+def device_kind(device_type: str) -> str:
+    """The kind of device a speed measurement holds for. CPUs differ by their matrix units (bf16 is 10-100x
+    slower than fp32 without AVX512-BF16 and faster with it: GUIDE §7), so a CPU kind names them."""
+    if device_type != "cpu":
+        return device_type
+    return _cpu_kind()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_kind() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return "cpu-avx512bf16"
+    return "cpu-avx512" if "avx512f" in flags else "cpu-avx2"
+
+
+def run_dtype(cfg) -> str:
+    """The compute dtype a run resolves to: bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
+    process, FSDP2 bf16 parameters when sharded), else float32."""
+    mp = getattr(cfg.training, "mixed_precision", "none")
+    if mp == "auto":
+        from qwen3_research.config import auto_mixed_precision
+
+        mp = auto_mixed_precision(cfg.device.type)
+    return "bfloat16" if mp == "bf16" else "float32"
+
+
+def speed_note(spec: KernelSpec, kind: str, dtype: str, table=None) -> tuple[bool, str]:
+    """(faster here, the plan's note) from the kernel's measurements (``table``, default ``spec.measured``) on this
+    device kind and dtype: faster only where every shape measured there was faster."""
+    ms = [m for m in (spec.measured if table is None else table) if m.device == kind and m.dtype == dtype]
+    if not ms:
+        return False, f"not measured on {kind} {dtype}"
+    faster = all(m.ratio > 1 for m in ms)
+    ratios = " / ".join(f"{m.ratio:.2f}x" + (f" ({m.shape})" if m.shape else "") for m in ms)
+    where = "; ".join(dict.fromkeys(m.where for m in ms))
+    return faster, f"measured {ratios} the module's speed on {kind} {dtype}, {'faster' if faster else 'slower'} ({where})"
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -215,8 +286,11 @@ def _find_spec(util, name: str):
         return None
 
 
-def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
-    """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match)."""
+def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
+    """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match). A speed kernel
+    (``KernelSpec.speed``) not measured faster on this device kind and the run's dtype keeps its modules
+    (``plan.kept``; the plan says so in one line) unless ``kernels.force=true`` or ``gate=False``
+    (verify_kernels checks what the kernel computes, applied or not)."""
     device = _effective(device)
     kc = cfg.kernels
     option = getattr(kc, "option", None)
@@ -267,7 +341,29 @@ def resolve(model: nn.Module, cfg, device) -> dict[str, list[str]]:
             problems += _check_requirements(spec, entry, option, cfg, device, dict(modules), matched)
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))
-    return plan
+    out = KernelPlan(plan)
+    out.speed, out.kept = {}, {}
+    force = bool(getattr(kc, "force", False)) or not gate
+    kind, dtype = device_kind(device.type), run_dtype(cfg)
+    for label, entry in entry_labels(kc.entries):
+        spec = KERNELS[entry.name]
+        if not plan.get(label) or spec.reference:
+            continue
+        faster, note = speed_note(spec, kind, dtype)
+        if not spec.speed:  # the NKI kernels: applied where they run, their speed shown as recorded or not
+            out.speed[label] = f"{note}; not speed-gated"
+            continue
+        if faster:
+            out.speed[label] = note
+        elif getattr(kc, "force", False):
+            out.speed[label] = f"{note}; applied: kernels.force=true"
+        elif force:  # gate=False: verify_kernels installs it to check it
+            out.speed[label] = (f"{note}; installed to be checked: a run keeps {'/'.join(spec.module_types)} "
+                                "unless kernels.force=true")
+        else:
+            out.speed[label] = f"{note}; not applied, keeps {'/'.join(spec.module_types)} (kernels.force=true applies it)"
+            out.kept[label], out[label] = out[label], []
+    return out
 
 
 def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> list[str]:
@@ -311,10 +407,15 @@ def _plan_text_and_costs(plan, cfg, model, device) -> tuple[str, dict]:
     mods = dict(model.named_modules()) if model is not None else {}
     saved = {}
     lines = [f"kernel plan (kernels={option}): {sum(len(v) for v in plan.values())} module(s) overridden"]
+    speed, kept = getattr(plan, "speed", {}), getattr(plan, "kept", {})
     for label, fqns in plan.items():
         entry = entries.get(label)
         target = entry.target if entry is not None else "?"
-        lines.append(f"  {label} [{target}] -> {len(fqns)} module(s)" + (":" if fqns else " (no match)"))
+        if label in kept:  # a speed option not measured faster here: one line
+            lines.append(f"  {label} [{target}] -> 0 of {len(kept[label])} module(s): {speed[label]}")
+            continue
+        note = f" ({speed[label]})" if label in speed else ""
+        lines.append(f"  {label} [{target}] -> {len(fqns)} module(s)" + (f"{note}:" if fqns else " (no match)"))
         for fqn in fqns:
             lines.append(f"    {fqn}")
         spec = KERNELS.get(entry.name) if entry is not None else None
@@ -327,6 +428,7 @@ def _plan_text_and_costs(plan, cfg, model, device) -> tuple[str, dict]:
 def install(model: nn.Module, resolved: dict[str, list[str]], cfg, device) -> KernelPlan:
     """Swap in every matched module's kernel (``resolve``'s plan); print and log the plan. Before sharding."""
     plan = KernelPlan(resolved)
+    plan.speed, plan.kept = dict(getattr(resolved, "speed", {})), dict(getattr(resolved, "kept", {}))
     mods = dict(model.named_modules())
     for label, entry in entry_labels(cfg.kernels.entries):
         spec = KERNELS[entry.name]

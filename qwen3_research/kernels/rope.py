@@ -14,10 +14,19 @@ from __future__ import annotations
 import torch
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
 from qwen3_research.kernels.verify import _err
 
 NS = "qwen3_research"
+
+# Where rope_fast was timed against torchtitan's CosSinRoPE (q and k, forward + backward): ratio = module time /
+# kernel time (> 1: faster); registry.speed_note reads it (benchmarks/bench_kernels.py adds rows).
+ROPE_FAST_MEASURED = (
+    Measured("cpu-avx512bf16", "float32", 0.65, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "float32", 1.85, "RESULTS.md row 17", "30B-A3B"),
+    Measured("cpu-avx512bf16", "bfloat16", 0.71, "RESULTS.md row 17", "tiny"),
+    Measured("cpu-avx512bf16", "bfloat16", 1.52, "RESULTS.md row 17", "30B-A3B"),
+)
 
 
 def rope_reference(x, cos, sin):
@@ -143,12 +152,14 @@ def verify_rope(module, shapes: dict, device, apply) -> list[tuple]:
     ref = rope_reference(xr, cos, sin)
     ref.backward(g)
     dev = device.torch_device
+    dt = shapes.get("dtype", torch.float32)  # the run's: q/k arrive in bf16 under training.mixed_precision=bf16
     xk = x.to(dev).requires_grad_(True)
-    out = apply(xk, cos.to(dev), sin.to(dev))
-    out.backward(g.to(dev))
+    out = apply(xk.to(dt), cos.to(dev), sin.to(dev))
+    out.backward(g.to(dev).to(dt))
     fa, fr = _err(out, ref)
     ba, br = _err(xk.grad, xr.grad)
-    return [(f"x({B},{L},{NH},{H}) float32", fa, fr, ba, br, "float32")]
+    name = str(dt).replace("torch.", "")
+    return [(f"x({B},{L},{NH},{H}) {name}", fa, fr, ba, br, name)]
 
 
 
@@ -163,6 +174,8 @@ register(KernelSpec(
     install=install_rope("rope_fast", rope_fast),
     requirements=Requirements(devices=("cpu", "cuda"), dtypes=("float32", "bfloat16")),
     verify=_verify,
+    speed=True,
+    measured=ROPE_FAST_MEASURED,
 ))
 
 
@@ -172,4 +185,5 @@ register(KernelSpec(
     module_types=("CosSinRoPE",),
     install=install_rope("rope_reference", lambda x, c, s: rope_reference(x, c, s).to(x.dtype)),
     requirements=Requirements(devices=("cpu", "cuda", "neuron")),
+    reference=True,
 ))

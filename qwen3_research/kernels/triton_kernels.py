@@ -24,10 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research.kernels.moe import install_experts, verify_moe
-from qwen3_research.kernels.registry import KernelSpec, Requirements, register
+from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
 from qwen3_research.kernels.rope import define_rope_op, install_rope, verify_rope
 
 NS = "qwen3_research"
+
+# Where they were timed against the module they replace (ratio = module time / kernel time, > 1: faster), on one
+# H200 (issue 30; whole training steps, bf16 autocast, compile off): triton_moe vs torchtitan's grouped GEMM on the
+# MoE debug flavor, triton_rope vs CosSinRoPE on Qwen3-0.6B. registry.speed_note reads these.
+TRITON_MOE_MEASURED = (Measured("cuda", "bfloat16", 0.83, "RESULTS.md row 16", "H200 MoE debug step"),)
+TRITON_ROPE_MEASURED = (Measured("cuda", "bfloat16", 1.09, "RESULTS.md row 16", "H200 0.6B step"),)
 BM, BN, BK = 32, 32, 32
 
 
@@ -250,6 +256,8 @@ def _register():
         install=install_experts("triton_moe", moe_triton, {}),
         requirements=Requirements(devices=("cuda", "cpu"), env=interp, fix="kernels=moe_fast"),
         verify=verify_moe_,
+        speed=True,
+        measured=TRITON_MOE_MEASURED,
     ))
     register(KernelSpec(
         name="triton_rope",
@@ -258,6 +266,8 @@ def _register():
         install=install_rope("triton_rope", rope_triton),
         requirements=Requirements(devices=("cuda", "cpu"), env=interp, fix="kernels=rope_fast"),
         verify=verify_rope_,
+        speed=True,
+        measured=TRITON_ROPE_MEASURED,
     ))
 
 

@@ -6,7 +6,9 @@ on the helpers here; this module runs them over a plan and prints the table.
 Error measure per tensor: max |kernel - reference| (abs) and abs / max |reference| (rel).
 Backward covers every differentiable input (MoE: x, w1, w2, w3; RoPE: x) under one random
 upstream gradient; the worst tensor is reported. A kernel passes when fwd and bwd rel <= its
-``KernelSpec.tolerance`` for the dtype the check computed in (defaults: 1e-5 float32, 2e-2 bfloat16).
+``KernelSpec.tolerance`` for the dtype the check computed in (defaults: 1e-5 float32, 2e-2 bfloat16), which is
+the run's compute dtype (``registry.run_dtype``: bfloat16 under ``training.mixed_precision=bf16``) unless the
+kernel fixes its own (``options.dtype``, the NKI MoE kernels' bfloat16).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.kernels.registry import KERNELS, entry_labels
+from qwen3_research.kernels.registry import KERNELS, entry_labels, run_dtype
 
 
 @dataclass
@@ -66,6 +68,8 @@ def run_shapes(model, cfg) -> dict:
     return {
         "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "tokens": cfg.data.batch_size * cfg.data.seq_len,
         "top_k": top_k, "n_heads": n_heads, "seed": cfg.training.seed,
+        # the compute dtype the run resolves to: each kernel is checked in it, against its own tolerance for it
+        "dtype": torch.bfloat16 if run_dtype(cfg) == "bfloat16" else torch.float32,
     }
 
 
@@ -82,20 +86,23 @@ def verify_plan(model, plan: dict, cfg, device, *, raise_on_fail: bool = False, 
         for shp, fa, fr, ba, br, dtype in spec.verify(mods[fqns[0]], shapes, device, dict(entry.options or {})):
             tol = spec.tolerance.get(dtype, 0.0)  # the spec's own tolerance; none stated for this dtype -> FAIL
             checks.append(Check(entry.name, label, fqns[0], shp, fa, fr, ba, br, tol))
-    printer(format_checks(checks))
+    printer(format_checks(checks, run_dtype(cfg)))
     failed = [c for c in checks if not c.ok]
     if failed and raise_on_fail:
         c = failed[0]
         raise ConfigError(
-            f"kernels.verify=true: kernel {c.kernel} fails its float32 check on {c.shapes} (fwd rel {c.fwd_rel:.2e}, "
+            f"kernels.verify=true: kernel {c.kernel} fails its check against the float32 reference on {c.shapes} "
+            f"(fwd rel {c.fwd_rel:.2e}, "
             f"bwd rel {c.bwd_rel:.2e} > tol {c.tol:.0e}); use kernels=none or report the kernel"
         )
     return checks
 
 
-def format_checks(checks: list[Check]) -> str:
+def format_checks(checks: list[Check], dtype: str = "float32") -> str:
     head = f"{'kernel':<12} {'shapes':<34} {'fwd max abs':>11} {'fwd rel':>9} {'bwd max abs':>11} {'bwd rel':>9} {'tol':>7}  result"
-    lines = ["kernel verification against float32 references (forward and backward):", head]
+    tols = ", ".join(dict.fromkeys(f"{c.kernel} {c.shapes.rsplit(' ', 1)[-1]} rel <= {c.tol:.0e}" for c in checks))
+    lines = [f"kernel verification against float32 references (forward and backward) in the run's compute dtype, "
+             f"{dtype}; tolerance used: {tols or 'none'}", head]
     for c in checks:
         lines.append(
             f"{c.kernel:<12} {c.shapes:<34} {c.fwd_abs:>11.3e} {c.fwd_rel:>9.2e} {c.bwd_abs:>11.3e} {c.bwd_rel:>9.2e} "
