@@ -111,3 +111,16 @@ def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh
     print(f"after a simulated torch change: first step {fresh['step_time_s']:.2f} s ({fresh['compile_cache']})")
     assert fresh["compile_cache"] == "cold" and fresh["step_time_s"] > 2 * second["step_time_s"]
     assert len([d for d in cache.iterdir() if d.is_dir()]) == 2  # one keyed directory per torch "version"
+
+
+@pytest.mark.tt022
+def test_gpu_suite_dry_run_composes_every_step():
+    """benchmarks/gpu_suite.py --dry-run: every step's configuration composes and validates (device=cpu, tiny) and
+    what each step calls exists, on this torch and torchtitan (both CI tiers), before a GPU is lent."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--dry-run"], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    groups = {r.get("group") for r in rows[1:]}
+    assert {"main", "bare", "kernels", "loss", "attention", "profiler", "plan", "big"} <= groups
+    assert all(r["status"] == "dry-run: composed" for r in rows[1:])
