@@ -159,7 +159,8 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
         if builds_here and kind != "cpu" and not devices.validate_only():
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
-            targets, caught = kernel_targets(rc, kind, lnc, planning=plan and planned in ("neuron", "cuda") and elsewhere)
+            planning = plan and (planned == "neuron" or (planned == "cuda" and elsewhere))
+            targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision)
