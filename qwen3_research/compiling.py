@@ -99,14 +99,33 @@ def cache_key(device_type: str, extra: str = "", *, probe: bool = True) -> str:
     elif device_type == "neuron":
         parts.append(f"neuronxcc{_package_version('neuronx-cc')}")
     elif device_type == "cpu":
-        import platform
-
-        parts.append(platform.machine())
+        parts.append(_cpu_id())
     if extra:
         parts.append(str(extra))
     full = "|".join(parts)
     readable = re.sub(r"[^A-Za-z0-9.+_-]+", "-", "-".join(parts))[:80].strip("-")
     return f"{readable}-{hashlib.sha256(full.encode()).hexdigest()[:10]}"
+
+
+def _cpu_id() -> str:
+    """The CPU's model name and a hash of its feature flags: EPYCs of one name differ in AVX-512 / AVX512-BF16
+    (GUIDE §7), and inductor's C++ kernels are built for the host's vector ISA."""
+    import platform
+
+    name, flags = platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == platform.machine():
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value.strip()
+                if flags and name != platform.machine():
+                    break
+    except OSError:
+        pass
+    return f"{name}-isa{hashlib.sha256(flags.encode()).hexdigest()[:6]}"
 
 
 def _gpu_name_and_driver() -> tuple[str, str]:

@@ -95,7 +95,8 @@ def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh
             "training.loss=full"]
     proc = run_cli(["-m", *args, "training.seed=0,1", f"hydra.sweep.dir={sweep}"], timeout=1500)
     assert_ok(proc)
-    points = sorted(p for p in sweep.iterdir() if (p / "summary.json").exists())
+    # a point's dir name holds compile.cache_dir's value, slashes included: the points are nested under sweep/
+    points = sorted((p.parent for p in sweep.rglob("summary.json")), key=lambda p: str(p.relative_to(sweep)))
     first, second = (_first_step(p) for p in points)
     ratio = second["step_time_s"] / first["step_time_s"]
     print(f"first step: point 0 {first['step_time_s']:.2f} s ({first['compile_cache']}, compile {first['compile_s']} s), "
