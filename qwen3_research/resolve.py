@@ -14,7 +14,9 @@ them refuse the same configurations with the same one line, in the same order:
    per-rank batch size (``data.global_batch_tokens``);
 5. what the installed torchtitan cannot run (``models.check_run``: ``titan.check_supported`` for the native
    backends);
-6. the kernel plan: what each entry needs of this host (``kernels.kernel_support``: device, LNC, environment,
+6. ``compile.enable=auto``: on where it was measured faster (``compiling.decide``: cuda, dense, bf16), with its
+   reason and the keyed compile cache (warm or cold), recorded in ``compile`` and printed by the launcher;
+7. the kernel plan: what each entry needs of this host (``kernels.kernel_support``: device, LNC, environment,
    packages; recorded), and the targets matched on the run's model built on the meta device (``kernels.resolve``:
    module types, two entries on one module, the requirements above and dtypes, the sequence-length multiple, each
    kernel's own shape checks; refused as a worker would refuse them), so a bad kernel target fails before any
