@@ -162,8 +162,9 @@ def export_cache_env(decision: CompileDecision, env=None) -> dict:
         return {}
     d = Path(decision.cache_dir)
     d.mkdir(parents=True, exist_ok=True)
-    values = {"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton"),
-              NEFF_CACHE_ENV: str(d / "neff"), LEGACY_NEFF_CACHE_ENV: str(d / "neff-legacy"), **ENABLE_ENV_VARS}
+    values = {"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton"), **ENABLE_ENV_VARS}
+    if decision.backend == "neuron":  # TorchNeuron's NEFFs (and the older torch-xla stack's cache, which it ignores)
+        values.update({NEFF_CACHE_ENV: str(d / "neff"), LEGACY_NEFF_CACHE_ENV: str(d / "neff-legacy")})
     env.update(values)
     return values
 

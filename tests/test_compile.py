@@ -42,7 +42,10 @@ def test_compile_auto_is_on_only_where_measured_and_says_why(tmp_path):
     env = {}
     compiling.export_cache_env(on, env)
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(on.cache_dir) and env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
-    assert env["TRITON_CACHE_DIR"].startswith(on.cache_dir) and env["TORCH_NEURONX_NEFF_CACHE_DIR"].startswith(on.cache_dir)
+    assert env["TRITON_CACHE_DIR"].startswith(on.cache_dir) and "TORCH_NEURONX_NEFF_CACHE_DIR" not in env
+    neuron = {}
+    compiling.export_cache_env(replace(on, backend="neuron"), neuron)  # on neuron TorchNeuron's NEFFs go there too
+    assert neuron["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(Path(on.cache_dir) / "neff")
     (Path(on.cache_dir) / "inductor" / "entry").parent.mkdir(parents=True, exist_ok=True)
     (Path(on.cache_dir) / "inductor" / "entry").write_text("x")
     assert compiling.decide(forced, "cpu", is_moe=False).cache_state == "warm"
