@@ -92,7 +92,8 @@ def _first_step(run_dir: Path) -> dict:
 @pytest.mark.slow
 def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh(tmp_path):
     """Acceptance a of issue 31: the second point's first step takes <= 25 % of the first's (its compile hits the
-    cache the first one filled); a new torch version (simulated by compile.cache_key_extra) compiles afresh."""
+    cache the first one filled), and so does a new process's; a new torch version (simulated by
+    compile.cache_key_extra) compiles afresh. About 9 minutes on a shared 2-core machine, 3 cold compiles of tiny."""
     cache, sweep = tmp_path / "cache", tmp_path / "sweep"
     args = [*(a for a in FAST if not a.startswith("training.steps=")), "training.steps=2", "compile.enable=true", f"compile.cache_dir={cache}", "sweep.plan=false",
             "training.loss=full"]
@@ -109,12 +110,20 @@ def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh
     assert (first["compile_cache"], second["compile_cache"]) == ("cold", "warm") and ratio <= 0.25
     summary = json.loads((points[1] / "summary.json").read_text())
     assert summary["compile_cache"] == "warm" and summary["compile_s"] >= 0
+    # point 1 ran in point 0's process, where dynamo also keeps its compiled graphs in memory; a new process has only
+    # the cache directory
+    again = tmp_path / "again"
+    assert_ok(run_cli(args, run_dir=again, timeout=1500))
+    warm = _first_step(again)
+    print(f"a new process, same key: first step {warm['step_time_s']:.2f} s ({warm['compile_cache']}, compile "
+          f"{warm['compile_s']} s); ratio to point 0 {warm['step_time_s'] / first['step_time_s']:.3f}")
+    assert warm["compile_cache"] == "warm" and warm["step_time_s"] <= 0.25 * first["step_time_s"]
     upgraded = tmp_path / "upgraded"
     proc = run_cli([*args, "compile.cache_key_extra=simulated-torch-upgrade"], run_dir=upgraded, timeout=1500)
     assert_ok(proc)
     fresh = _first_step(upgraded)
     print(f"after a simulated torch change: first step {fresh['step_time_s']:.2f} s ({fresh['compile_cache']})")
-    assert fresh["compile_cache"] == "cold" and fresh["step_time_s"] > 2 * second["step_time_s"]
+    assert fresh["compile_cache"] == "cold" and fresh["step_time_s"] > 2 * warm["step_time_s"]
     assert len([d for d in cache.iterdir() if d.is_dir()]) == 2  # one keyed directory per torch "version"
 
 
