@@ -93,7 +93,7 @@ def _first_step(run_dir: Path) -> dict:
 def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh(tmp_path):
     """Acceptance a of issue 31: the second point's first step takes <= 25 % of the first's (its compile hits the
     cache the first one filled), and so does a new process's; a new torch version (simulated by
-    compile.cache_key_extra) compiles afresh. About 9 minutes on a shared 2-core machine, 3 cold compiles of tiny."""
+    compile.cache_key_extra) compiles afresh. About 9 minutes on a shared 2-core machine, 2 cold compiles of tiny and a warm one."""
     cache, sweep = tmp_path / "cache", tmp_path / "sweep"
     args = [*(a for a in FAST if not a.startswith("training.steps=")), "training.steps=2", "compile.enable=true", f"compile.cache_dir={cache}", "sweep.plan=false",
             "training.loss=full"]
