@@ -361,10 +361,13 @@ def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:
     plan.compile_line = (f"compile: {'on' if on else 'off'} ({d.reason if d else 'compile.enable'}); the trace is the "
                          f"eager step: compiled, the peak would be ~{compiled:.2f} GiB (x{compiling.COMPILED_PEAK_FACTOR:.2f}, "
                          f"{compiling.COMPILED_PEAK_SOURCE})")
-    if gpu_peak:
+    if gpu_peak and run.mixed_precision != "bf16":
+        plan.step_line = ("predicted step time: only for training.mixed_precision=bf16 (the measured MFU it scales is "
+                          "bf16's)")
+    elif gpu_peak:
         mfu = compiling.MEASURED_MFU[on]
         plan.predicted_step_s = plan.flops_per_step / max(1, run.world_size) / (gpu_peak * mfu)
-        plan.step_line = (f"predicted step time: {plan.predicted_step_s:.3f} s ({plan.flops_per_step:.3e} FLOPs over "
+        plan.step_line = (f"predicted step time: {plan.predicted_step_s:.3g} s ({plan.flops_per_step:.3e} FLOPs over "
                           f"{run.world_size} GPU(s) at {gpu_peak / 1e12:.0f} TFLOP/s dense bf16 x {100 * mfu:.0f} % MFU; "
                           f"{compiling.MEASURED_MFU_SOURCE}: other models, sizes and GPUs differ)")
 
