@@ -23,6 +23,7 @@ def _rc(**training) -> RunConfig:
     return replace(rc, training=replace(rc.training, **training))
 
 
+@pytest.mark.tt022
 def test_compile_auto_is_on_only_where_measured_and_says_why(tmp_path):
     bf16 = _rc(mixed_precision="bf16")
     cuda = compiling.decide(bf16, "cuda", is_moe=False, probe=False)
@@ -58,6 +59,7 @@ BF16_LOSSES_BEFORE = [11.9307, 11.9806, 11.7807]
 BF16_TOL = 5e-3
 
 
+@pytest.mark.tt022
 def test_bf16_one_process_has_no_unfused_rms_norm_fallback(tmp_path):
     proc = run_cli([*FAST, "training.mixed_precision=bf16", "training.loss=full"], run_dir=tmp_path)
     assert_ok(proc)
