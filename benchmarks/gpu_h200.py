@@ -1,5 +1,8 @@
 """(8) GPU acceptance (prepared; run only where a GPU is lent): Qwen3-0.6B, bf16, torch.compile, one GPU.
 
+Superseded by ``gpu_suite.py`` (every CUDA path, one results file; its Trainer-vs-bare step compiles both sides per
+block, as the Trainer now does). Kept for the earlier figures' command: here the bare loop compiles the whole model.
+
 Our Trainer (``model=native model.flavor=0.6B training.mixed_precision=bf16 compile.enable=true``)
 and a bare torchtitan loop over the same model (same config, seed, batch, AdamW foreach,
 grad clip 1.0, bf16 autocast, ``torch.compile`` of the whole model) step alternately on the

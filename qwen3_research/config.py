@@ -134,13 +134,27 @@ class DeviceConfig:
     type: str = "auto"  # auto | cpu | cuda | neuron
     lnc: Optional[int] = None  # neuron: logical NeuronCore config 1|2, exported to every worker; None = NEURON_LOGICAL_NC_CONFIG or 2
     memory_gib: Optional[float] = None  # capacity per rank for planning (qwen3_research.plan); None = detected
+    # Planning a GPU this host does not have (device=cuda on a CPU-only host): a name from torchtitan's peak table
+    # (H200, H100 SXM, H100 PCIe, H100 NVL, A100, L40S, L4: qwen3_research.compiling.PLANNED_GPUS), or
+    # device.memory_gib + device.peak_tflops (dense bf16 TFLOP/s per GPU) for another one
+    gpu: Optional[str] = None
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
 class CompileConfig:
-    enable: bool = False
+    # auto: on where it was measured faster (cuda, dense model, bf16, no kernel entries: the H200 figures in
+    # README), off elsewhere (cpu: a 20-30 s first step, neuron: not measured); true/false force it. Resolved once
+    # at start-up (qwen3_research.compiling.decide), with its reason. Each transformer block and the loss are
+    # compiled, not the whole model (as torchtitan's apply_compile).
+    enable: Any = "auto"
     backend: Optional[str] = None  # None: inductor on cpu/cuda, "neuron" on neuron
     fullgraph: bool = False
+    # One compile cache for every run and sweep point (inductor's FX graph / AOT autograd / autotune caches, Triton's,
+    # TorchNeuron's NEFFs), in a subdirectory keyed by torch version, device and driver/compiler version, set in the
+    # environment before any worker starts. None: leave the environment (and torch's defaults) alone.
+    cache_dir: Optional[str] = "~/.cache/qwen3_research/compile"
+    cache_key_extra: str = ""  # appended to the key: a different value never reuses an entry (tests simulate a torch upgrade)
 
 
 @dataclass
@@ -401,6 +415,8 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
     if cfg.training.loss == "auto":
         cfg.training.loss = auto_loss(cfg.device.type)
+    if cfg.compile.enable not in ("auto", True, False):
+        raise ConfigError(f"compile.enable must be auto, true or false, got {cfg.compile.enable!r}")
 
     # One rule for every number: NaN and inf pass the comparisons below (nan <= 0 is False) and then fail
     # deep in a run, or not at all (weight_decay=nan trained into NaN weights). No key takes inf.

@@ -38,6 +38,42 @@ GPU_FP32_BY_BF16_PEAK = {312e12: 19.5e12, 989e12: 67e12, 756e12: 51e12, 835e12: 
 # fp32: 181 FP32 TFLOPS per 8-core chip (.../arch/neuron-hardware/trainium2.html) = 22.625e12 per core.
 TRN2_CORE_PEAK = {"bf16": 157e12 / 2, "fp32": 181e12 / 8}
 
+# GPUs a plan can be made for without having one (device=cuda device.gpu=NAME on a CPU-only host): memory per GPU in
+# GiB (nvidia-smi's total, approximately; device.memory_gib overrides it) and the dense bf16 peak. The peaks are
+# torchtitan's table (torchtitan.tools.utils.get_peak_flops, which has no L4 and falls back to A100's 312e12 for it:
+# L4 is NVIDIA's datasheet, 242 TFLOP/s with sparsity, half dense).
+PLANNED_GPUS = {
+    "H200": (140.4, 989e12),
+    "H100 SXM": (79.6, 989e12),
+    "H100 PCIe": (79.6, 756e12),
+    "H100 NVL": (93.6, 835e12),
+    "A100": (79.2, 312e12),  # the 80 GB card; device.memory_gib=39.4 for the 40 GB one
+    "L40S": (44.5, 362e12),
+    "L4": (22.0, 121e12),
+}
+
+
+
+def planned_gpu(dev) -> tuple[float, float, str]:
+    """(capacity GiB, dense bf16 peak FLOP/s, what they come from) of a GPU planned on a host without one
+    (``device.gpu``, ``device.memory_gib``, ``device.peak_tflops`` of a DeviceConfig); a ConfigError naming the
+    keys when neither a known name nor both numbers are given."""
+    known = {k.lower().replace(" ", ""): k for k in PLANNED_GPUS}
+    name = known.get((dev.gpu or "").lower().replace(" ", "").replace("-", ""))
+    if dev.gpu and name is None:
+        raise ConfigError(f"device.gpu={dev.gpu!r} is not in the planning table ({', '.join(PLANNED_GPUS)}); give "
+                          "device.memory_gib and device.peak_tflops (dense bf16 TFLOP/s) instead")
+    if name is None and (dev.memory_gib is None or dev.peak_tflops is None):
+        raise ConfigError("device=cuda is not on this host: planning it needs device.gpu (one of "
+                          f"{', '.join(PLANNED_GPUS)}) or device.memory_gib and device.peak_tflops")
+    if dev.peak_tflops is not None and not dev.peak_tflops > 0:
+        raise ConfigError(f"device.peak_tflops must be > 0, got {dev.peak_tflops}")
+    mem, peak = PLANNED_GPUS[name] if name else (None, None)
+    mem = dev.memory_gib if dev.memory_gib is not None else mem
+    peak = dev.peak_tflops * 1e12 if dev.peak_tflops is not None else peak
+    return float(mem), float(peak), (name or "device.memory_gib/device.peak_tflops")
+
+
 # -- logical NeuronCores (LNC) ---------------------------------------------------------------
 # The Neuron runtime reads the LNC only from this variable, once, when it starts
 # (torch_neuronx/csrc/core/utils/PlatformUtils.cpp: GetLogicalNeuronCores, in

@@ -233,8 +233,10 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         pg_ok = dist.is_available() and (pg == "neuron" or getattr(dist, f"is_{pg}_available")())
         rows.append(Row("process group", pg, "ok" if pg_ok else "MISSING", "" if pg_ok else f"this torch build lacks {pg}"))
         cb = rc.compile.backend or ("neuron" if ctx["device"] == "neuron" else "inductor")
-        rows.append(Row("compile backend", f"{cb} (compile.enable={str(rc.compile.enable).lower()})",
-                        "ok" if rc.compile.enable else "info"))
+        decided = run.compile if run is not None else None  # compile.enable=auto resolved, with its reason
+        on = decided.enable if decided is not None else rc.compile.enable is True
+        rows.append(Row("compile backend", f"{cb} ({decided.describe() if decided else f'compile.enable={rc.compile.enable}'})",
+                        "ok" if on else "info"))
 
         options = kernel_options(ctx["device"], lnc)
         usable = [o for o, why in options.items() if not why and o != "none"]

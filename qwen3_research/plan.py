@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                           "per_rank_param_shard_bytes": {r.rank: r.param_shards for r in plan.ranks},
                           "per_rank_params_max_bytes": {r.rank: r.params_max for r in plan.ranks},
                           "estimate_bytes": plan.ranks[0].estimate, "tokens_per_step": plan.tokens_per_step,
-                          "flops_per_step": plan.flops_per_step}), flush=True)
+                          "flops_per_step": plan.flops_per_step, "predicted_step_s": plan.predicted_step_s,
+                          "compile": plan.compile_line}), flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
 
 

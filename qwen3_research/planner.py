@@ -43,7 +43,10 @@ class Plan:
     flops_per_step: float
     trace_s: float
     mirrored: list[int] = field(default_factory=list)  # ranks not traced: same shapes as rank 0 (see make_plan)
-    planned_for: str | None = None  # the device a plan made on another host is for (device=neuron here)
+    planned_for: str | None = None  # the device a plan made on another host is for (device=neuron or cuda here)
+    compile_line: str = ""  # compile on/off for the planned run and what compile does to the peak (measured factor)
+    predicted_step_s: float | None = None  # cuda: FLOPs per step / (dense bf16 peak x the measured MFU)
+    step_line: str = ""
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
 
     @property
@@ -301,7 +304,16 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
     run = resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
     planned = run.config["device"]["type"]
-    cap, source = capacity(rc, run.nproc_per_node)
+    gpu_peak = None
+    if run.planned_elsewhere and planned == "cuda":  # a GPU this host does not have: its table entry or the keys
+        from qwen3_research.device import planned_gpu
+
+        cap, gpu_peak, name = planned_gpu(rc.device)
+        source = f"device.gpu={name}" if rc.device.memory_gib is None else "device.memory_gib"
+    else:
+        cap, source = capacity(rc, run.nproc_per_node)
+        if run.device_type == "cuda":
+            gpu_peak = _gpu_peak_here()
     config = run.config
     traced = dict(config)
     traced["device"] = {**config["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
@@ -332,8 +344,40 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
         ranks.append(rp)
     tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
     flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
-    return Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
-                planned_for="neuron" if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+    plan = Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
+                planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+    _compile_and_step_time(plan, run, gpu_peak)
+    return plan
+
+
+def _gpu_peak_here() -> float | None:
+    import torch
+
+    from qwen3_research import titan
+
+    return titan.gpu_peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+
+
+def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:
+    """What compile does to the plan (the trace is the eager step; a compiled run's peak was measured lower) and,
+    on a GPU, a predicted step time at the MFU measured on an H200 (compiling.MEASURED_MFU)."""
+    from qwen3_research import compiling
+
+    d = run.compile
+    on = bool(d and d.enable)
+    compiled = plan.peak_gib * compiling.COMPILED_PEAK_FACTOR
+    plan.compile_line = (f"compile: {'on' if on else 'off'} ({d.reason if d else 'compile.enable'}); the trace is the "
+                         f"eager step: compiled, the peak would be ~{compiled:.2f} GiB (x{compiling.COMPILED_PEAK_FACTOR:.2f}, "
+                         f"{compiling.COMPILED_PEAK_SOURCE})")
+    if gpu_peak and run.mixed_precision != "bf16":
+        plan.step_line = ("predicted step time: only for training.mixed_precision=bf16 (the measured MFU it scales is "
+                          "bf16's)")
+    elif gpu_peak:
+        mfu = compiling.MEASURED_MFU[on]
+        plan.predicted_step_s = plan.flops_per_step / max(1, run.world_size) / (gpu_peak * mfu)
+        plan.step_line = (f"predicted step time: {plan.predicted_step_s:.3g} s ({plan.flops_per_step:.3e} FLOPs over "
+                          f"{run.world_size} GPU(s) at {gpu_peak / 1e12:.0f} TFLOP/s dense bf16 x {100 * mfu:.0f} % MFU; "
+                          f"{compiling.MEASURED_MFU_SOURCE}: other models, sizes and GPUs differ)")
 
 
 def render(plan: Plan) -> str:
@@ -368,9 +412,16 @@ def render(plan: Plan) -> str:
     if plan.kernel_lines:
         lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
         lines += [f"  {ln}" for ln in plan.kernel_lines]
-    if plan.planned_for:
+    if plan.planned_for == "neuron":
         lines.append(f"planned for device={plan.planned_for}, which this host does not have: traced on fake CPU tensors, "
                      "NKI kernels by their documented output shapes; nothing ran on a Neuron device")
+    elif plan.planned_for:
+        lines.append(f"planned for device={plan.planned_for} ({plan.capacity_source}), which this host does not have: "
+                     "traced on fake CPU tensors; nothing ran on a GPU")
+    if plan.compile_line:
+        lines.append(plan.compile_line)
+    if plan.step_line:
+        lines.append(plan.step_line)
     lines.append(f"capacity per rank: {plan.capacity_gib:.2f} GiB ({plan.capacity_source}); "
                  f"verdict: {plan.verdict} (predicted peak {plan.peak_gib:.2f} GiB, "
                  f"{100 * plan.peak_gib / plan.capacity_gib:.0f} % of capacity)")

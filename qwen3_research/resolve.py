@@ -15,7 +15,9 @@ them refuse the same configurations with the same one line, in the same order:
    per-rank batch size (``data.global_batch_tokens``);
 5. what the installed torchtitan cannot run (``models.check_run``: ``titan.check_supported`` for the native
    backends);
-6. the kernel plan: what each entry needs of this host (``kernels.kernel_support``: device, LNC, environment,
+6. ``compile.enable=auto``: on where it was measured faster (``compiling.decide``: cuda, dense, bf16), with its
+   reason and the keyed compile cache (warm or cold), recorded in ``compile`` and printed by the launcher;
+7. the kernel plan: what each entry needs of this host (``kernels.kernel_support``: device, LNC, environment,
    packages; recorded), and the targets matched on the run's model built on the meta device (``kernels.resolve``:
    module types, two entries on one module, the requirements above and dtypes, the sequence-length multiple, each
    kernel's own shape checks; refused as a worker would refuse them), so a bad kernel target fails before any
@@ -67,7 +69,9 @@ class ResolvedRun:
     # run has no kernel entries.
     kernel_targets: dict[str, tuple[str, ...]] | None = field(default_factory=dict)
     kernel_warnings: tuple[str, ...] = ()  # entries that match no module (a run's workers warn about them)
-    planned_elsewhere: bool = False  # a plan for a device this host does not have (device=neuron here)
+    planned_elsewhere: bool = False  # a plan for a device this host does not have (device=neuron or cuda here)
+    # compile.enable resolved (compiling.decide): on/off, its reason, the keyed compile cache and whether it was warm
+    compile: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -112,17 +116,22 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
 
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
-    elsewhere = plan and planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None
-    # A plan for Trainium on a host without TorchNeuron: checked as a run would be, on CPU.
+    elsewhere = plan and ((planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None)
+                          or (planned == "cuda" and not _cuda_here()))
+    # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
     checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
     rc = validate(to_run_config(checked))
-    if elsewhere and rc.device.memory_gib is None:
+    if elsewhere and planned == "neuron" and rc.device.memory_gib is None:
         raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
                           "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
+    if elsewhere and planned == "cuda":
+        from qwen3_research.device import planned_gpu
+
+        planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
     models.check(rc.model)  # the model backend's own rules (its spec)
     facts = models.describe(rc.model)
 
-    kind = "neuron" if elsewhere else devices.requested_device_kind(rc.device.type)
+    kind = planned if elsewhere else devices.requested_device_kind(rc.device.type)
     lnc = devices.resolve_lnc(rc.device.lnc, kind)
     p = rc.parallelism
     if elsewhere:  # the host's own count stands in for the planned host's (nothing to ask here)
@@ -136,6 +145,11 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     batch_size = resolve_batch_size(rc, degrees.dp)
     config = {**config, "data": {**config["data"], "batch_size": batch_size}}
     rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
+    from qwen3_research import compiling
+
+    decision = compiling.decide(rc, kind, is_moe=bool(facts.get("is_moe")), probe=not elsewhere and not plan)
+    config = {**config, "compile": {**config["compile"], "enable": decision.enable}}
+    rc = dataclasses.replace(rc, compile=dataclasses.replace(rc.compile, enable=decision.enable))
     if prepare is not None:
         prepare(kind, lnc, degrees.world_size)
     if not elsewhere:
@@ -150,10 +164,11 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
         if builds_here and kind != "cpu" and not devices.validate_only():
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
-            targets, caught = kernel_targets(rc, kind, lnc, planning=plan and planned == "neuron")
+            planning = plan and (planned == "neuron" or (planned == "cuda" and elsewhere))
+            targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
-                       kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere)
+                       kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision)
 
 
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:
@@ -294,6 +309,12 @@ def _check_cpu_ranks(nproc: int, cores: int) -> None:
             f"parallelism.nproc_per_node={nproc} starts {nproc} CPU ranks on the {cores} core(s) this process may use, "
             f"more than {CPU_RANKS_PER_CORE} per core (each rank is a whole process with its own torch); use at most "
             f"{CPU_RANKS_PER_CORE * cores}, or start them anyway with parallelism.oversubscribe=true")
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _torchrun_world_size() -> int | None:

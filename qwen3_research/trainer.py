@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research import device as devices
-from qwen3_research import parallel, startup, titan
+from qwen3_research import compiling, parallel, startup, titan
 from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
 from qwen3_research.resolve import ResolvedRun
 
@@ -116,9 +116,15 @@ class Trainer:
         # bf16 with FSDP2 bf16 parameters: no autocast on top (torchtitan 0.2.2's maybe_enable_amp does the same)
         self.precision = self._precision_mode()
         self.autocast = "bf16" if self.precision["mode"] == "autocast_bf16" else "none"
+        # compile.enable as resolved (run.compile: its reason, the shared cache): each block and the loss, in place
+        self.compiled, self._cross_entropy = "none", None
         if cfg.compile.enable:
-            backend = cfg.compile.backend or ("neuron" if device_type == "neuron" else "inductor")
-            self.backend.model = torch.compile(self.backend.model, backend=backend, fullgraph=cfg.compile.fullgraph)
+            compiling.export_cache_env(run.compile)  # the launcher set it already; a torchrun rank sets it here
+            self.compiled = compiling.apply(self.backend.model, run.compile, fullgraph=cfg.compile.fullgraph,
+                                            is_moe=run.model["is_moe"])
+            if cfg.training.loss == "full":  # the chunked loss is its own autograd function: left eager
+                self._cross_entropy = compiling.compiled_cross_entropy(run.compile)
+                self.compiled += " + loss"
 
         from qwen3_research.optim import build_optimizer
 
@@ -213,6 +219,8 @@ class Trainer:
             logits = self.backend.forward(inputs) if positions is None else self.backend.forward(inputs, positions=positions)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
             logits = logits.full_tensor()
+        if self._cross_entropy is not None:  # compiled (compile.enable): the float32 upcast fused into the loss
+            return self._cross_entropy(logits, labels)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     def _all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -331,11 +339,27 @@ class Trainer:
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
             "precision": self.precision,  # how it is carried out here (_precision_mode)
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
+            "compile": self._compile_line(),
             **(self.routing.summary() if self.routing is not None else {}),
         }
 
+    def _compile_line(self) -> str:
+        d = self.run.compile
+        if d is None or not self.cfg.compile.enable:
+            return f"off ({d.reason})" if d is not None else "off"
+        return f"on: {self.compiled} ({d.reason}; cache {d.cache_dir or 'torch default'}, {d.cache_state})"
+
+    def _compile_fields(self, since: float) -> dict:
+        """compile_s (seconds this run spent compiling since ``since``) and compile_cache (warm | cold: whether the
+        keyed cache directory held entries before this run) when compile is on."""
+        if not self.cfg.compile.enable:
+            return {}
+        return {"compile_s": round(compiling.compile_seconds() - since, 3),
+                "compile_cache": (self.run.compile.cache_state if self.run.compile else None) or "torch default"}
+
     def train(self) -> dict:
         cfg, t, state = self.cfg, self.cfg.training, self.state
+        compile_start = compiling.compile_seconds()
         self.checkpointer.maybe_resume()
         if cfg.checkpoint.resume:
             self.sinks.resume_at(state.step)  # steps after the checkpoint are trained again
@@ -376,6 +400,8 @@ class Trainer:
                         state.final_eval_loss = self.evaluate()
                         record = record or {"step": state.step}
                         record["eval_loss"] = state.final_eval_loss
+                    if record is not None and record.get("first_step"):
+                        record.update(self._compile_fields(compile_start))
                     if record is not None and self.is_main:
                         self.sinks.log(record)
                         if "loss" in record:
@@ -415,6 +441,7 @@ class Trainer:
             "final_eval_loss": state.final_eval_loss, "batch_size": cfg.data.batch_size,
             "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision, "precision": self.precision,
             "first_step_s": state.timer.first_step_s, "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
+            "compile": self._compile_line(), **self._compile_fields(compile_start),
         }
         if peak_live_bytes:
             summary["peak_live_bytes_per_rank"] = peak_live_bytes

@@ -429,10 +429,15 @@ def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_
             from qwen3_research.run.checkpoint import preflight
 
             preflight(rc, run_path)
+        if _writes_run_files() and resolved.compile is not None:
+            print(resolved.compile.describe(), flush=True)  # decided once at resolution, with its reason
         if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
             warn_kernel_matches(resolved.kernel_warnings)  # what the workers would have warned about
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return {"status": "validated"}
+        from qwen3_research import compiling
+
+        compiling.export_cache_env(resolved.compile)  # before any worker starts: every rank and sweep point shares it
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})

@@ -20,6 +20,36 @@ from qwen3_research.models.flavors import Flavor
 FULL_INIT_MAX_PARAMS = 2_000_000_000
 
 
+def norms_in_input_dtype(model: nn.Module) -> int:
+    """Every ``nn.RMSNorm`` of ``model`` takes its weight in its input's dtype (cast in its forward; the float32
+    parameter and its gradient stay as they are). Under bf16 autocast the q/k norms get bf16 inputs over float32
+    weights, and ``torch.rms_norm`` then warns "Mismatch dtype between input and weight ... Cannot dispatch to fused
+    implementation" on every step and runs its unfused float32 path (measured on one H200, GUIDE §9). The modules
+    keep their class names (kernel targets match ``type:RMSNorm`` through the class's bases). Returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.RMSNorm) and not getattr(type(module), "_weight_in_input_dtype", False):
+            module.__class__ = _input_dtype_norm_class(type(module))
+            count += 1
+    return count
+
+
+_NORM_CLASSES: dict = {}
+
+
+def _input_dtype_norm_class(base: type) -> type:
+    if base not in _NORM_CLASSES:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight
+            if w is not None and w.dtype != x.dtype:
+                w = w.to(x.dtype)
+            return torch.nn.functional.rms_norm(x, self.normalized_shape, w, self.eps)
+
+        _NORM_CLASSES[base] = type(base.__name__, (base,), {"forward": forward, "_weight_in_input_dtype": True,
+                                                            "__module__": base.__module__})
+    return _NORM_CLASSES[base]
+
+
 class NativeQwen3(ModelBackend):
     """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``, or from ``model.init_from``'s config.json.
 
@@ -72,6 +102,7 @@ class NativeQwen3(ModelBackend):
         self.init_from = init_from
         with torch.device("meta"):
             self.model = titan.build_model(self.model_config)
+        norms_in_input_dtype(self.model)
         # TorchNeuron's grouped matmul takes token groups in multiples of 128 only: the experts pad on
         # neuron (a kernel override on the experts replaces this forward).
         titan.align_token_groups(self.model, device.type)

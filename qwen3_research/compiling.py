@@ -1,0 +1,224 @@
+"""torch.compile for a run: whether it is on (``decide``, once, at start-up, with its reason), the compile cache
+every run and sweep point shares (``export_cache_env``), and what is compiled (``apply``: each transformer block,
+and the loss).
+
+Why per block: the blocks are identical, so dynamo traces one and reuses the graph for the rest (torchtitan's
+``apply_compile`` compiles each ``TransformerBlock`` in place the same way); the module tree, its parameter names
+and the hooks on it stay as they are (checkpoints, FSDP, routing hooks, kernel overrides), and a first step compiles
+one block's graph, not the whole model's.
+
+Measured (GUIDE §9, README "GPU"): one H200, torch 2.11, torchtitan 0.2.2, Qwen3-0.6B seq 2048 x 8 bf16: compile
+off 0.318 s/step (26 % MFU, peak 70.0 GiB), the whole model compiled 0.190 s (43 %, peak 56.8 GiB). CPU (GUIDE §2):
+first step 20-30 s, later steps 1.3-1.6x faster: a default CPU run (60 steps of ~1 s) and the test suite's short runs
+would lose more to the compile than they gain, so auto keeps it off there. Neuron: not measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# The compiled run's peak over the eager run's, measured on one H200 (Qwen3-0.6B seq 2048 x 8 bf16, torch 2.11,
+# torchtitan 0.2.2; GUIDE §9): 56.8 / 70.0 GiB. The plan traces the eager step and prints this factor beside it.
+COMPILED_PEAK_FACTOR = 56.8 / 70.0
+COMPILED_PEAK_SOURCE = "measured on one H200, Qwen3-0.6B seq 2048x8 bf16: 56.8 GiB compiled / 70.0 GiB eager"
+
+# MFU measured on one H200 (dense bf16 peak 989 TFLOP/s), Qwen3-0.6B seq 2048 x 8 bf16 (GUIDE §9): what the plan
+# divides a step's FLOPs by to predict its time on a GPU this host does not have.
+MEASURED_MFU = {True: 0.43, False: 0.26}
+MEASURED_MFU_SOURCE = "MFU measured on one H200, Qwen3-0.6B seq 2048x8 bf16: 26 % compile off, 43 % on"
+
+ENABLE_ENV_VARS = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"  # TorchNeuron's NEFF cache (neuron_host.py cites AWS's pages)
+LEGACY_NEFF_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"  # the torch-xla based torch-neuronx's
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """compile.enable resolved: on or off and why; where its cache is and whether it held entries already."""
+
+    enable: bool
+    reason: str
+    backend: str  # inductor | neuron | compile.backend
+    cache_root: str | None = None  # compile.cache_dir expanded (None: the environment's caches are left alone)
+    cache_key: str = ""  # the keyed subdirectory's name
+    cache_state: str | None = None  # warm (the keyed dir held entries before this run) | cold | None (compile off)
+
+    @property
+    def cache_dir(self) -> str | None:
+        return None if self.cache_root is None else str(Path(self.cache_root) / self.cache_key)
+
+    def describe(self) -> str:
+        line = f"compile: {'on' if self.enable else 'off'} ({self.reason})"
+        if self.enable and self.cache_dir:
+            line += f"; cache {self.cache_dir} ({self.cache_state})"
+        return line
+
+
+def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True) -> CompileDecision:
+    """compile.enable for this run: true/false as given, auto by what was measured (module docstring). ``probe``:
+    ask the host for the cache key's device facts (False: a plan for a device this host does not have)."""
+    c = rc.compile
+    backend = c.backend or ("neuron" if device_type == "neuron" else "inductor")
+    if c.enable is True or c.enable is False:
+        enable, reason = bool(c.enable), f"compile.enable={str(c.enable).lower()}"
+    elif device_type == "cuda" and not is_moe and rc.training.mixed_precision == "bf16" and not rc.kernels.entries:
+        enable, reason = True, "auto: cuda, dense, bf16 measured 1.67x faster compiled on one H200"
+    elif device_type == "cuda":
+        why = ("an MoE model" if is_moe else "kernel entries" if rc.kernels.entries else
+               f"training.mixed_precision={rc.training.mixed_precision}")
+        enable, reason = False, f"auto: cuda with {why} has not been measured compiled"
+    elif device_type == "cpu":
+        enable, reason = False, "auto: cpu, a 20-30 s first compile outweighs short runs; compile.enable=true for long ones"
+    else:
+        enable, reason = False, f"auto: {device_type} compiled has not been measured"
+    if not enable or not c.cache_dir:
+        return CompileDecision(enable, reason, backend)
+    root = str(Path(os.path.expanduser(c.cache_dir)).absolute())
+    key = cache_key(device_type, c.cache_key_extra, probe=probe)
+    keyed = Path(root) / key
+    warm = keyed.is_dir() and any(p.is_file() for p in keyed.rglob("*"))
+    return CompileDecision(enable, reason, backend, root, key, "warm" if warm else "cold")
+
+
+def cache_key(device_type: str, extra: str = "", *, probe: bool = True) -> str:
+    """The cache subdirectory's name: torch version, device kind and name, and on cuda the driver and CUDA versions,
+    on neuron the neuronx-cc version (+ compile.cache_key_extra), so another torch, driver or device never reuses an
+    entry. Readable where short, with a hash of the whole."""
+    import torch
+
+    parts = [f"torch{torch.__version__}", device_type]
+    if device_type == "cuda" and probe:
+        name, driver = _gpu_name_and_driver()
+        parts += [name, f"driver{driver}", f"cuda{torch.version.cuda}"]
+    elif device_type == "neuron":
+        parts.append(f"neuronxcc{_package_version('neuronx-cc')}")
+    elif device_type == "cpu":
+        parts.append(_cpu_id())
+    if extra:
+        parts.append(str(extra))
+    full = "|".join(parts)
+    readable = re.sub(r"[^A-Za-z0-9.+_-]+", "-", "-".join(parts))[:80].strip("-")
+    return f"{readable}-{hashlib.sha256(full.encode()).hexdigest()[:10]}"
+
+
+def _cpu_id() -> str:
+    """The CPU's model name and a hash of its feature flags: EPYCs of one name differ in AVX-512 / AVX512-BF16
+    (GUIDE §7), and inductor's C++ kernels are built for the host's vector ISA."""
+    import platform
+
+    name, flags = platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == platform.machine():
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value.strip()
+                if flags and name != platform.machine():
+                    break
+    except OSError:
+        pass
+    return f"{name}-isa{hashlib.sha256(flags.encode()).hexdigest()[:6]}"
+
+
+def _gpu_name_and_driver() -> tuple[str, str]:
+    """GPU 0's name and the driver version, from nvidia-smi (no CUDA context in the launching parent); torch's
+    name and 'unknown' where nvidia-smi is missing."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader", "-i", "0"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+            if out and "," in out[0]:
+                name, driver = (s.strip() for s in out[0].split(",", 1))
+                return name, driver
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import torch
+
+    return (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown-gpu"), "unknown"
+
+
+def _package_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def export_cache_env(decision: CompileDecision, env=None) -> dict:
+    """Point every compile cache at the keyed directory, in this process's environment (which every worker
+    inherits): before any worker starts, and again in each worker (idempotent). Returns what was set."""
+    env = os.environ if env is None else env
+    if not decision.enable or decision.cache_dir is None:
+        return {}
+    d = Path(decision.cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    values = {"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton"), **ENABLE_ENV_VARS}
+    if decision.backend == "neuron":  # TorchNeuron's NEFFs (and the older torch-xla stack's cache, which it ignores)
+        values.update({NEFF_CACHE_ENV: str(d / "neff"), LEGACY_NEFF_CACHE_ENV: str(d / "neff-legacy")})
+    env.update(values)
+    return values
+
+
+def find_blocks(model):
+    """The transformer blocks: the children of the first ModuleDict/ModuleList named ``layers`` (torchtitan's
+    ``model.layers``, transformers' ``model.model.layers``); None when the model has none."""
+    import torch.nn as nn
+
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+            return list(module.children())
+    return None
+
+
+def apply(model, decision: CompileDecision, *, fullgraph: bool, is_moe: bool) -> str:
+    """Compile each transformer block in place (``nn.Module.compile``); a model without blocks is compiled whole,
+    in place too. Returns what was compiled, for the run's summary."""
+    import torch
+
+    torch._inductor.config.fx_graph_cache = True  # as the environment says, for a process that imported torch first
+    torch._functorch.config.enable_autograd_cache = True
+    if is_moe:  # token-choice dispatch has data-dependent shapes (torchtitan's apply_compile sets the same)
+        torch._dynamo.config.capture_scalar_outputs = True
+    blocks = find_blocks(model)
+    if not blocks:
+        model.compile(backend=decision.backend, fullgraph=fullgraph)
+        return "whole model (no transformer blocks found)"
+    # every block is a different module object: the dynamo cache must hold one entry per block
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 + len(blocks))
+    for block in blocks:
+        block.compile(backend=decision.backend, fullgraph=fullgraph)
+    return f"{len(blocks)} transformer blocks"
+
+
+def compiled_cross_entropy(decision: CompileDecision):
+    """The full loss (logits upcast to float32 and cross-entropy), compiled: inductor fuses the upcast into the
+    loss instead of materialising float32 logits."""
+    import torch
+
+    return torch.compile(_cross_entropy, backend=decision.backend)
+
+
+def _cross_entropy(logits, labels):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo's forward and backward compile wall time)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private API: no figure rather than a failed run
+        return 0.0
