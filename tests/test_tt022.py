@@ -105,8 +105,7 @@ def test_init_from_logits_match_transformers(tmp_path):
 def test_moe_load_balancing_hook_moves_expert_bias():
     """The optimizer pre-step hook (0.3.0's own, or the adapter's copy of it for 0.2.x): counts
     [10,0,0,0,0,0,0,6] (mean 2) -> bias += 1e-3·sign(mean - count), centred: -1.5e-3 for the two busy
-    experts, +0.5e-3 for the idle six; the counts are then zeroed. Runs on the meta-built CPU model:
-    no MoE forward (which 0.2.2 cannot run on CPU)."""
+    experts, +0.5e-3 for the idle six; the counts are then zeroed. Runs on the built CPU model, no forward."""
     from qwen3_research.parallel import Degrees, build_parallel_dims
 
     b = _backend("native_moe", seed=0)
@@ -179,29 +178,20 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4
 
 
-# -- what upstream 0.2.2 cannot run on CPU/gloo: one line, exit 2, before any worker ---------------
+# -- what the 0.2.x API cannot run: one line, exit 2, before any worker ------------------------------
 
 
-@only_on_legacy("test_parallel.py runs MoE, EP and TP on 0.3.0")
-@pytest.mark.parametrize("overrides,expect", [
-    (["model=native_moe"], "model=native_moe on CPU needs torchtitan>=0.3.0 (found 0.2.2): its MoE router counts "
-     "tokens with torch.histc"),
-    (["model=native_moe", "parallelism=ep2"], "model=native_moe on CPU needs torchtitan>=0.3.0 (found 0.2.2)"),
-    (["parallelism=tp2"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0 (found 0.2.2): DTensor has no sharding "
-     "rule for the CPU flash attention"),
-    (["parallelism=fsdp_tp", "parallelism.nproc_per_node=4"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0"),
-    (["data.document_masking=true"], "data.document_masking=true needs torchtitan>=0.3.0 (found 0.2.2): 0.2.x's SDPA "
-     "attention takes no mask"),
-], ids=["moe", "ep2", "tp2", "fsdp_tp", "document_masking"])
-def test_layouts_0_2_cannot_run_on_cpu_are_one_line_config_errors(tmp_path, overrides, expect):
-    """Measured without the check: MoE stops at NotImplementedError "histogram_cpu" not implemented for
-    'Long'; TP at "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
-    strategy registered". With it: exit 2, one line naming the torchtitan needed, no worker started."""
-    proc = run_cli([*overrides, *FAST], run_dir=tmp_path / "run")
+@only_on_legacy("test_parallel.py runs TP without SP on 0.3.0")
+@pytest.mark.feature("tensor parallel without sequence parallel", refused="0.2.x always shards the sequence with TP")
+def test_tp_without_sequence_parallel_is_a_one_line_config_error(tmp_path):
+    """0.2.2's TP plan hard-codes the sequence sharding (docs/PARALLELISM.md names the lines): exit 2, one line
+    naming the torchtitan needed, no worker started."""
+    proc = run_cli(["parallelism=tp2", "parallelism.sequence_parallel=false", *FAST], run_dir=tmp_path / "run")
     err = proc.stderr.strip()
     print(f"\n{err}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(err.splitlines()) == 1 and expect in err
+    assert len(err.splitlines()) == 1 and ("parallelism.tp=2 with parallelism.sequence_parallel=false needs "
+                                           "torchtitan>=0.3.0 (found 0.2.2): 0.2.x always shards the sequence with TP") in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -231,10 +221,8 @@ def test_verify_kernels_nki_here_fails_with_its_reason(case):
         assert proc.returncode == 1 and "nothing verified for entry 'nki_moe'" in last
     elif case == "nki_rope_device_neuron":
         assert "device.type=neuron needs TorchNeuron" in last
-    elif case == "nki_rope" or not LEGACY:
+    else:
         assert "needs device neuron (kernel nki_" in last
-    else:  # 0.2.x on CPU refuses MoE before any kernel (its router's histc)
-        assert "model=native_moe on CPU needs torchtitan>=0.3.0" in last
 
 
 def _simulated_neuron(monkeypatch):
@@ -366,7 +354,7 @@ def test_moe_token_groups_padded_to_128_on_simulated_neuron(monkeypatch):
     gy = torch.randn(x.shape, generator=gen)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     monkeypatch.setattr(torch, "_grouped_mm", neuron_grouped_mm)
-    ya = experts(xa, counts.float() if LEGACY else counts)  # 0.2.x counts are histc floats
+    ya = experts(xa, counts)
     monkeypatch.setattr(torch, "_grouped_mm", real)
     yb = _grouped_mm_experts(*titan.expert_weights(plain), xb, counts)
     (ya * gy).sum().backward()

@@ -403,6 +403,14 @@ def nparams_and_flops(args, model, seq_len: int) -> tuple[int, int]:
 
 
 def init_weights(model, buffer_device) -> None:
+    """0.2.2's init, except on fake tensors (the memory planner's trace, ``planner.trace_rank``): 0.2.2's
+    ``trunc_normal_`` (torchtitan/models/utils.py) reads a value there, and a fake tensor has none to fill; the
+    plan needs the tensors' shapes only, and the RoPE cache buffer is already of its shape."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    p = next(model.parameters(), None)
+    if p is not None and is_fake(p.to_local() if hasattr(p, "to_local") else p):
+        return
     model.init_weights(buffer_device=buffer_device)
 
 
