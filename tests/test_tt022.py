@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qwen3_research import titan
-from tests.conftest import FAST, assert_ok, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
 
 pytestmark = pytest.mark.tt022
 
@@ -66,14 +66,34 @@ def test_seeded_init_is_deterministic():
     assert differ == len([k for k in sa if "norm" not in k])  # norms start at 1 whatever the seed
 
 
-def test_default_run_trains():
-    """The default run (tiny dense, one CPU process), 3 steps: exit 0, 3 finite losses near ln(vocab)."""
-    proc = run_cli(FAST)
-    assert_ok(proc)
-    losses = [float(line.split("loss=")[1].split()[0]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    print(f"\n[torchtitan {titan.version()}] default run losses {losses} (ln 151936 = {math.log(151936):.2f})")
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    assert all(abs(x - math.log(151936)) < 1.5 for x in losses)  # random init of a 151,936-way softmax
+@pytest.mark.feature("chunked loss (training.loss=chunked)")
+def test_default_run_trains_and_the_chunked_loss_equals_the_full_one(tmp_path):
+    """The default run (tiny dense, one CPU process), 3 steps, with training.loss=chunked and with full: exit 0,
+    3 finite losses near ln(vocab), the same to 1e-5 (fp32; on 0.2.x the hidden states come from the adapter's
+    model seam, titan/v02._model_forward_02)."""
+    runs = {}
+    for loss in ("chunked", "full"):
+        proc = run_cli([*FAST, f"training.loss={loss}"], run_dir=tmp_path / loss)
+        assert_ok(proc)
+        runs[loss] = train_losses(tmp_path / loss)
+    print(f"\n[torchtitan {titan.version()}] chunked {runs['chunked']}\n{' ' * 20}full    {runs['full']} "
+          f"(ln 151936 = {math.log(151936):.2f})")
+    assert len(runs["chunked"]) == 3 and all(math.isfinite(x) for x in runs["chunked"])
+    assert all(abs(x - math.log(151936)) < 1.5 for x in runs["chunked"])  # random init of a 151,936-way softmax
+    assert max(abs(a - b) for a, b in zip(runs["chunked"], runs["full"])) <= 1e-5
+
+
+def test_training_loss_auto_is_the_same_choice_on_both_torchtitans():
+    """auto: chunked on cpu, full on cuda and neuron, whichever torchtitan API is installed (0.2.x used to
+    resolve it to full: it had no hidden states without the lm_head)."""
+    from qwen3_research.config import auto_loss
+    from qwen3_research.resolve import _loss_for_backend
+
+    for backend in ("native", "native_moe"):
+        for loss in ("auto", "chunked"):
+            cfg = {"model": {"backend": backend}, "training": {"loss": loss}}
+            assert _loss_for_backend(cfg)["training"]["loss"] == loss
+    assert (auto_loss("cpu"), auto_loss("cuda")) == ("chunked", "full")
 
 
 def test_init_from_logits_match_transformers(tmp_path):
@@ -384,3 +404,161 @@ def test_moe_token_group_padding_has_static_shapes():
         y.sum().backward()
     print(f"\n[torchtitan {titan.version()}] padded experts on fake tensors: y {tuple(y.shape)}, dx {tuple(x.grad.shape)}")
     assert y.shape == x.shape == x.grad.shape
+
+
+# -- issue 29: what 0.3.x runs, on 0.2.x through the adapter's seams (titan/v02._install_seams) ----------
+
+
+@only_on_legacy("test_loss.py")
+@pytest.mark.feature("chunked loss (training.loss=chunked)")
+@pytest.mark.parametrize("layout,world", [("single", 1), pytest.param("fsdp", 2, marks=pytest.mark.slow),
+                                          pytest.param("tp2", 2, marks=pytest.mark.slow)])
+def test_chunked_loss_and_gradients_equal_the_full_ones(layout, world, tmp_path):
+    """tests/test_loss.py's check on 0.2.x: one step of the real Trainer with each loss on the same weights and batch,
+    loss and every gradient within 1e-5 (fp32). tp2 (+SP): the lm_head is sharded on the vocabulary and the
+    chunked loss takes the vocabulary-parallel path, as on 0.3.x."""
+    from tests.test_loss import assert_same, run_case
+
+    losses, grads = run_case(["model=native", f"parallelism={layout}"], tmp_path, world=world)
+    print(f"[torchtitan {titan.version()}] {layout}: lm_head weight {losses['lm_head_placements']}")
+    if layout == "tp2":
+        assert "Shard(dim=0)" in losses["lm_head_placements"]  # no rank holds all the logits
+    assert_same(losses, grads)
+
+
+@only_on_legacy("test_document_masking.py")
+@pytest.mark.feature("document masking (data.document_masking)")
+def test_document_masked_native_logits_equal_transformers(tmp_path):
+    """tests/test_document_masking.py's check on 0.2.x: the same checkpoint as model=native (init_from) and
+    model=hf, a packed batch of several documents per row: masked logits within 1e-5 (fp32), and masking changes
+    them (0.2.2's attention asserts it gets no mask: the adapter's attention seam gives SDPA the mask)."""
+    from qwen3_research.config import ModelConfig
+    from qwen3_research.data import document_positions
+    from qwen3_research.models.hf_model import HFCausalLM
+    from tests.test_document_masking import EOS
+    from tests.test_hf import write_hf_checkpoint
+    from tests.test_hf_interop import native_from
+
+    hf_dir = write_hf_checkpoint(tmp_path / "qwen3_tiny", moe=False)
+    hf = HFCausalLM(ModelConfig(backend="hf", path=str(hf_dir)), torch.device("cpu"), seq_len=64, seed=0)
+    hf.model.eval()
+    native = native_from(hf_dir, moe=False, seq_len=64)
+    x = torch.randint(0, 151000, (2, 64), generator=torch.Generator().manual_seed(0))
+    x[0, [9, 30, 31]] = EOS  # documents of 10, 21, 1 and 32 tokens; row 1: EOS at 50 only
+    x[1, 50] = EOS
+    pos = document_positions(x, EOS)
+    with torch.no_grad():
+        ours, theirs, unmasked = native.forward(x, positions=pos), hf.forward(x, positions=pos), native.forward(x)
+    diff, moved = float((ours - theirs).abs().max()), float((ours - unmasked).abs().max())
+    print(f"\n[torchtitan {titan.version()}] native vs hf masked: max |logit diff| {diff:.2e}; masked vs unmasked {moved:.2f}")
+    assert diff <= 1e-5
+    assert moved > 1e-2
+
+
+@only_on_legacy("test_flex.py")
+@pytest.mark.feature("FlexAttention with a BlockMask (forward on CPU)")
+def test_flex_forward_with_the_document_block_mask_equals_masked_sdpa():
+    """FlexAttention's forward runs on CPU (no backward there): with the block-causal BlockMask of the documents
+    (titan.document_attention_masks(flex=True)) the logits equal the SDPA path's with the boolean mask to 1e-5;
+    and the causal BlockMask (titan.flex_attention_masks, what model.attention=flex uses) equals causal SDPA."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    model = _backend("native", seed=0).model
+    x = torch.randint(0, 151000, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[*range(10), *range(22)], [*range(5), *range(5), *range(22)]])
+    with torch.no_grad():
+        block = titan.document_attention_masks(model, pos, flex=True)
+        flex = model(x, positions=pos, attention_masks=block)
+        sdpa = model(x, positions=pos, attention_masks=titan.document_attention_masks(model, pos, flex=False))
+        causal_flex = model(x, attention_masks=titan.flex_attention_masks(model, 2, 32, torch.device("cpu")))
+        causal = model(x)
+    diff, causal_diff = float((flex - sdpa).abs().max()), float((causal_flex - causal).abs().max())
+    print(f"\n[torchtitan {titan.version()}] flex vs sdpa, document masks: {diff:.1e}; causal: {causal_diff:.1e}; "
+          f"masked vs causal {float((sdpa - causal).abs().max()):.2f}")
+    assert isinstance(block, BlockMask) and tuple(block.shape) == (2, 1, 32, 32)
+    assert diff < 1e-5 and causal_diff < 1e-5
+    assert float((sdpa - causal).abs().max()) > 1e-2  # the masks are not both causal
+
+
+ROUTING_KEYS = {"moe_max_load", "moe_cv", "moe_empty_frac", "moe_entropy", "moe_per_layer"}
+
+
+@only_on_legacy("test_parallel.py::test_moe_dp2_ep2_parity, test_routing.py, test_checkpoint.py")
+@pytest.mark.slow
+@pytest.mark.feature("MoE (model=native_moe) on CPU")
+@pytest.mark.feature("expert parallel (parallelism.ep)")
+@pytest.mark.feature("MoE balance: auxiliary loss")
+@pytest.mark.feature("MoE balance: expert bias")
+@pytest.mark.feature("routing statistics")
+@pytest.mark.feature("checkpoint resume after SIGKILL")
+def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_sigkill(tmp_path):
+    """model=native_moe, 3 steps in each layout, one balance mode each: single (none), FSDP×2 (aux_loss, with
+    document masking), EP×2 (bias, 4 steps, checkpoint every 2). metrics.jsonl has the routing statistics every
+    step (every token routed to top-2 of 8). EP×2 again, SIGKILLed at step 3 and resumed with checkpoint.resume=auto
+    from step 2: steps 3-4 equal the straight run's (the expert bias and the EP-sharded experts come back)."""
+    base = ["model=native_moe", *[o for o in FAST if not o.startswith("training.steps")]]
+    ep = ["parallelism=ep2", "model.moe.balance=bias", "training.steps=4", "checkpoint.enable=true", "checkpoint.every=2"]
+    runs = {
+        "single": ["model.moe.balance=none", "training.steps=3"],
+        "fsdp": ["parallelism=fsdp", "model.moe.balance=aux_loss", "data.document_masking=true", "training.steps=3"],
+        "ep2": ep,
+    }
+    for name, args in runs.items():
+        proc = run_cli([*base, *args], run_dir=tmp_path / name, timeout=600)
+        assert_ok(proc)
+        rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        world = 1 if name == "single" else 2
+        print(f"\n[torchtitan {titan.version()}] native_moe {name} ({args[0]} {args[1]}): losses "
+              f"{[round(r['loss'], 4) for r in rows]} max_load {[round(r['moe_max_load'], 3) for r in rows]}"
+              + (f" aux_loss {[round(r['aux_loss'], 3) for r in rows]}" if name == "fsdp" else ""))
+        assert len(rows) == (4 if name == "ep2" else 3) and all(math.isfinite(r["loss"]) for r in rows)
+        for r in rows:
+            assert ROUTING_KEYS <= set(r) and len(r["moe_per_layer"]) == 4
+            assert all(sum(x["tokens"]) == world * 2 * 32 * 2 for x in r["moe_per_layer"])  # ranks×batch×seq×top-2
+        assert ("aux_loss" in rows[0]) == (name == "fsdp")
+        if name == "ep2":
+            assert "moe_balance=bias" in proc.stdout
+    killed = run_cli([*base, *ep, "training.fault=kill@3"], run_dir=tmp_path / "resumed", timeout=600)
+    assert killed.returncode != 0
+    resumed = run_cli([*base, *ep, "checkpoint.resume=auto"], run_dir=tmp_path / "resumed", timeout=600)
+    assert_ok(resumed)
+    ref, got = train_losses(tmp_path / "ep2"), train_losses(tmp_path / "resumed")
+    print(f"EP×2 steps 3-4 straight {ref[2:]}\n              resumed  {got[-2:]}")
+    assert got[-2:] == ref[2:]
+
+
+# torchtitan 0.2.2 source each seam of titan/v02.py mirrors or wraps (titan.v02.MIRRORED): sha256[:16] of
+# inspect.getsource. A torchtitan (or torchtitan-neuron) update that changes one fails here: compare the new source
+# with the seam named in the message, update the seam, then the hash.
+MIRRORED_SHA = {
+    ("torchtitan.models.qwen3.model.model", "Qwen3Model.forward"): "2c18a3dfd9a1385a",
+    ("torchtitan.models.qwen3.model.model", "Attention.forward"): "ae5ea2947f6a04ac",
+    ("torchtitan.models.moe.moe", "TokenChoiceTopKRouter.forward"): "46772c215d8b513a",
+    ("torchtitan.models.moe.moe", "TokenReorderer.forward"): "3d64d9007a2cf165",
+    ("torchtitan.models.moe.kernels", "generate_permute_indices"): "97cd691552e2bf80",
+    ("torchtitan.models.moe.utils", "_permute"): "57802930f8daa67a",
+}
+
+
+@only_on_legacy("nothing: 0.3.x has no 0.2.x seams")
+def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
+    import hashlib
+    import importlib
+    import inspect
+
+    from qwen3_research import device as devices
+
+    devices.prepare_torchtitan("cpu")
+    from qwen3_research.titan import v02
+
+    assert set(v02.MIRRORED) == set(MIRRORED_SHA)
+    changed = []
+    for (module, qualname), seam in v02.MIRRORED.items():
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        sha = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        if sha != MIRRORED_SHA[(module, qualname)]:
+            changed.append(f"{module}.{qualname} (sha {sha}; mirrored by titan/v02.py {seam})")
+    print(f"\n[torchtitan {titan.version()}] {len(v02.MIRRORED)} mirrored functions checked; changed: {changed}")
+    assert not changed, "torchtitan changed what a 0.2.x seam mirrors: " + "; ".join(changed)

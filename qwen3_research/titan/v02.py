@@ -114,6 +114,7 @@ MIRRORED = {
     ("torchtitan.models.moe.moe", "TokenChoiceTopKRouter.forward"): "_router_forward_02",
     ("torchtitan.models.moe.moe", "TokenReorderer.forward"): "_reorderer_forward_02",
     ("torchtitan.models.moe.kernels", "generate_permute_indices"): "_permute_indices_on_cpu",
+    ("torchtitan.models.moe.utils", "_permute"): "_permute_on_cpu",  # reads generate_permute_indices from its module
 }
 
 
