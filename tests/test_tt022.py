@@ -96,6 +96,7 @@ def test_training_loss_auto_is_the_same_choice_on_both_torchtitans():
     assert (auto_loss("cpu"), auto_loss("cuda")) == ("chunked", "full")
 
 
+@pytest.mark.feature("HF import (model.init_from)")
 def test_init_from_logits_match_transformers(tmp_path):
     """model.init_from through the adapter's HF state-dict adapter: logits vs transformers within 1e-4 (fp32)."""
     from transformers import AutoModelForCausalLM
@@ -145,6 +146,7 @@ def test_moe_load_balancing_hook_moves_expert_bias():
     assert all(not bufs[k].any() for k in counts)
 
 
+@pytest.mark.feature("activation checkpointing")
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
     """torchtitan's AC wrapper through the adapter (single process): the same 2 losses as without AC."""
@@ -161,6 +163,7 @@ def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
 # -- multi-step runs on 0.2.x (the main suite makes them on 0.3.x) ------------------------------
 
 
+@pytest.mark.feature("checkpoint resume after SIGKILL")
 @only_on_legacy("test_checkpoint.py::test_resume_reproduces_steps_11_to_20")
 @pytest.mark.slow
 def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
@@ -185,6 +188,7 @@ def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
+@pytest.mark.feature("FSDP (parallelism.dp_shard)")
 @only_on_legacy("test_parallel.py::test_torchrun_fsdp_parity_memory_and_one_run_dir")
 @pytest.mark.slow
 def test_fsdp_two_ranks_match_one_process(tmp_path):
@@ -300,6 +304,7 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
     assert (kernel, (2,)) in dbl.LAUNCHES  # the double ran: the check is not vacuous
 
 
+@pytest.mark.feature("CPU kernels (kernels=fast)")
 def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
     """kernels=fast (moe_fast + rope_fast, CPU and CUDA) resolves on both torchtitans' module trees (0.2.x:
     layers.N.moe.experts and the adapter's RoPE module), installs and verifies against the float32 references.
@@ -413,6 +418,7 @@ def test_moe_token_group_padding_has_static_shapes():
 @pytest.mark.feature("chunked loss (training.loss=chunked)")
 @pytest.mark.parametrize("layout,world", [("single", 1), pytest.param("fsdp", 2, marks=pytest.mark.slow),
                                           pytest.param("tp2", 2, marks=pytest.mark.slow)])
+@pytest.mark.feature("tensor parallel + sequence parallel")
 def test_chunked_loss_and_gradients_equal_the_full_ones(layout, world, tmp_path):
     """tests/test_loss.py's check on 0.2.x: one step of the real Trainer with each loss on the same weights and batch,
     loss and every gradient within 1e-5 (fp32). tp2 (+SP): the lm_head is sharded on the vocabulary and the
@@ -562,3 +568,37 @@ def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
             changed.append(f"{module}.{qualname} (sha {sha}; mirrored by titan/v02.py {seam})")
     print(f"\n[torchtitan {titan.version()}] {len(v02.MIRRORED)} mirrored functions checked; changed: {changed}")
     assert not changed, "torchtitan changed what a 0.2.x seam mirrors: " + "; ".join(changed)
+
+
+# -- README's feature table (tests/feature_table.py) -----------------------------------------------
+
+
+def test_readme_feature_table_is_what_the_tests_show():
+    """README's table equals the one written from the tests' feature markers (both environments: the markers are
+    read from the source). After adding, removing or re-marking a test: python -m tests.feature_table --write."""
+    from tests import feature_table
+
+    got, want = feature_table.readme_table(), feature_table.table()
+    print(f"\n{want}")
+    assert got == want, "README's feature table is stale: run python -m tests.feature_table --write"
+
+
+def test_a_removed_test_removes_its_check_mark(tmp_path):
+    """A row's cell comes from the tests that declare it: a 0.2.x-only test gives ✔ on 0.2.x alone, a refusal its
+    line; without the test the cell says no test shows it."""
+    from tests import feature_table
+
+    (tmp_path / "test_tt022.py").write_text(
+        "@only_on_legacy('x')\n@pytest.mark.feature('routing statistics')\ndef test_a():\n    pass\n\n\n"
+        "@pytest.mark.feature('chunked loss (training.loss=chunked)')\ndef test_b():\n    pass\n\n\n"
+        "@only_on_legacy('x')\n@pytest.mark.feature('document masking (data.document_masking)', refused='no mask')\n"
+        "def test_c():\n    pass\n")
+    (tmp_path / "test_other.py").write_text("@pytest.mark.feature('routing statistics')\ndef test_d():\n    pass\n")
+    rows = {r.split(" | ")[0][2:]: r for r in feature_table.table(feature_table.collect(tmp_path)).splitlines()[2:]}
+    assert rows["routing statistics"].endswith("| ✔ | ✔ |")
+    assert rows["chunked loss (training.loss=chunked)"].endswith("| ✔ | ✔ |")
+    assert rows["document masking (data.document_masking)"].endswith("| — (no test) | refused: no mask |")
+    (tmp_path / "test_other.py").unlink()
+    rows = {r.split(" | ")[0][2:]: r for r in feature_table.table(feature_table.collect(tmp_path)).splitlines()[2:]}
+    assert rows["routing statistics"].endswith("| — (no test) | ✔ |")
+    assert rows["FSDP (parallelism.dp_shard)"].endswith("| — (no test) | — (no test) |")
