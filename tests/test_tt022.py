@@ -70,7 +70,7 @@ def test_seeded_init_is_deterministic():
 def test_default_run_trains_and_the_chunked_loss_equals_the_full_one(tmp_path):
     """The default run (tiny dense, one CPU process), 3 steps, with training.loss=chunked and with full: exit 0,
     3 finite losses near ln(vocab), the same to 1e-5 (fp32; on 0.2.x the hidden states come from the adapter's
-    model seam, titan/v02._model_forward_02)."""
+    model seam, titan/v02_seams.model_forward)."""
     runs = {}
     for loss in ("chunked", "full"):
         proc = run_cli([*FAST, f"training.loss={loss}"], run_dir=tmp_path / loss)
@@ -411,7 +411,7 @@ def test_moe_token_group_padding_has_static_shapes():
     assert y.shape == x.shape == x.grad.shape
 
 
-# -- issue 29: what 0.3.x runs, on 0.2.x through the adapter's seams (titan/v02._install_seams) ----------
+# -- issue 29: what 0.3.x runs, on 0.2.x through the adapter's seams (titan/v02_seams.py) ----------
 
 
 @only_on_legacy("test_loss.py")
@@ -533,7 +533,7 @@ def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_si
     assert got[-2:] == ref[2:]
 
 
-# torchtitan 0.2.2 source each seam of titan/v02.py mirrors or wraps (titan.v02.MIRRORED): sha256[:16] of
+# torchtitan 0.2.2 source each seam of titan/v02_seams.py mirrors or wraps (v02_seams.MIRRORED): sha256[:16] of
 # inspect.getsource. A torchtitan (or torchtitan-neuron) update that changes one fails here: compare the new source
 # with the seam named in the message, update the seam, then the hash.
 MIRRORED_SHA = {
@@ -555,7 +555,7 @@ def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
     from qwen3_research import device as devices
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.titan import v02
+    from qwen3_research.titan import v02_seams as v02
 
     assert set(v02.MIRRORED) == set(MIRRORED_SHA)
     changed = []
@@ -565,7 +565,7 @@ def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
             obj = getattr(obj, part)
         sha = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
         if sha != MIRRORED_SHA[(module, qualname)]:
-            changed.append(f"{module}.{qualname} (sha {sha}; mirrored by titan/v02.py {seam})")
+            changed.append(f"{module}.{qualname} (sha {sha}; mirrored by titan/v02_seams.py {seam})")
     print(f"\n[torchtitan {titan.version()}] {len(v02.MIRRORED)} mirrored functions checked; changed: {changed}")
     assert not changed, "torchtitan changed what a 0.2.x seam mirrors: " + "; ".join(changed)
 
