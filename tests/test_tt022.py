@@ -4,7 +4,8 @@ upstream torchtitan 0.2.2, the base of AWS's torchtitan-neuron 0.2.2+neuron.1).
 CI builds that environment from requirements-tt022.lock and runs ``pytest -m tt022`` in it (.ci/run).
 Everything here also runs in the main (torchtitan 0.3.0) environment: the cheap checks pass on both;
 the multi-step runs that the main suite already makes on 0.3.0 (named in each skip reason) and the
-refusals that only exist on 0.2.x are skipped there.
+refusals that only exist on 0.2.x are skipped there. ``@pytest.mark.feature`` marks write README's feature
+table (tests/feature_table.py): a test marked ``@only_on_legacy`` shows its row on 0.2.x, the others on both.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
 # -- what the 0.2.x API cannot run: one line, exit 2, before any worker ------------------------------
 
 
-@only_on_legacy("test_parallel.py runs TP without SP on 0.3.0")
+@only_on_legacy("test_kernels.py::test_kernels_multi_process[tp2] trains TP without SP on 0.3.0")
 @pytest.mark.feature("tensor parallel without sequence parallel", refused="0.2.x always shards the sequence with TP")
 def test_tp_without_sequence_parallel_is_a_one_line_config_error(tmp_path):
     """0.2.2's TP plan hard-codes the sequence sharding (docs/PARALLELISM.md names the lines): exit 2, one line
@@ -546,7 +547,7 @@ MIRRORED_SHA = {
 }
 
 
-@only_on_legacy("nothing: 0.3.x has no 0.2.x seams")
+@pytest.mark.skipif(not LEGACY, reason="torchtitan 0.3.x here: no 0.2.x seam to pin")
 def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
     import hashlib
     import importlib
