@@ -5,8 +5,8 @@ models built from a ``Qwen3ModelArgs`` dataclass and parallelized from a ``JobCo
 One of the two API modules behind the facade (``qwen3_research.titan``), which imports this one only where
 0.2.x is installed (feature detection, ``common.legacy``); ``v03.py`` has the same names for 0.3.x.
 Dropping 0.2.x is deleting this file, ``v02_seams.py`` (what the 0.2.x model gets that 0.3.x has) and its one
-line in the facade. Every torchtitan import is inside a
-function: torchtitan reads the device type at import (``device.prepare_torchtitan`` comes first).
+line in the facade. Every torchtitan import is inside a function: torchtitan reads the device type at import
+(``device.prepare_torchtitan`` comes first).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def expert_weights(module):
 def prepare_kernel_targets(model, rope: bool) -> None:
     """On 0.2.x with ``rope``: give every attention a ``rope`` child module that RoPE kernels replace.
 
-    The child (``CosSinRoPE`` below, the 0.3.x module's interface: ``cache``, ``config.dim``,
+    The child (``CosSinRoPE`` of ``v02_seams.rope_module_class``, the 0.3.x module's interface: ``cache``, ``config.dim``,
     ``_reshape_cache``, ``forward(query, key, positions)``) computes 0.2.x's own ``apply_rotary_emb``
     on the model's ``rope_cache``; the attention's forward (``v02_seams.attention_forward``, installed by
     ``build_model``) calls it when present. No parameter or buffer is added: state dicts, FSDP and TP
