@@ -275,16 +275,11 @@ def _loss_for_backend(cfg: dict) -> dict:
         spec = registry.get(model["backend"], model.get("module"))
     except ConfigError:
         return cfg  # an unknown backend: validation names it
-    from qwen3_research import titan
-
-    old_titan = spec.torchtitan and titan.legacy()  # torchtitan 0.2.x has no _skip_lm_head switch (0.3.x's)
-    if spec.chunked_loss and not old_titan:
+    if spec.chunked_loss:  # both torchtitan APIs (0.2.x through titan/v02's model seam): the same choice
         return cfg
     if loss == "chunked":
-        why = ("the installed torchtitan 0.2.x cannot return the hidden states without the lm_head (0.3.x's "
-               "_skip_lm_head)") if old_titan else (f"model.backend={model['backend']!r} has no hidden_states and "
-                                                     "lm_head_weight (BackendSpec.chunked_loss)")
-        raise ConfigError(f"training.loss=chunked: {why}; use training.loss=full (or auto)")
+        raise ConfigError(f"training.loss=chunked: model.backend={model['backend']!r} has no hidden_states and "
+                          "lm_head_weight (BackendSpec.chunked_loss); use training.loss=full (or auto)")
     return {**cfg, "training": {**training, "loss": "full"}}
 
 

@@ -114,8 +114,8 @@ def test_unknown_backend_names_the_shipped_ones():
 
 def test_training_loss_auto_is_the_full_loss_for_a_backend_without_a_chunked_one():
     """BackendSpec.chunked_loss=False (the toy bigram gives logits only): auto resolves to the full loss, chunked asked
-    for is one config error; an in-tree torchtitan backend on 0.3.x keeps auto (the chunked loss on cpu)."""
-    from qwen3_research import titan
+    for is one config error; an in-tree torchtitan backend keeps auto (the chunked loss on cpu) on both torchtitan APIs
+    (0.2.x through titan/v02's model seam)."""
     from qwen3_research.errors import ConfigError
     from qwen3_research.resolve import _loss_for_backend
 
@@ -124,4 +124,4 @@ def test_training_loss_auto_is_the_full_loss_for_a_backend_without_a_chunked_one
     with pytest.raises(ConfigError, match=r"training.loss=chunked: model.backend='toy' has no hidden_states"):
         _loss_for_backend({**toy, "training": {"loss": "chunked"}})
     native = {"model": {"backend": "native"}, "training": {"loss": "auto"}}
-    assert _loss_for_backend(native)["training"]["loss"] == ("full" if titan.legacy() else "auto")
+    assert _loss_for_backend(native)["training"]["loss"] == "auto"

@@ -112,6 +112,7 @@ def test_export_command_shards_and_refuses_to_overwrite(straight, tmp_path):
 # -- acceptance c: exact resume -------------------------------------------------------------
 
 
+@pytest.mark.feature("checkpoint resume after SIGKILL")
 def test_resume_reproduces_steps_11_to_20(straight, tmp_path):
     """Stop after step 10 (SIGKILL at step 11, after the step-10 save), resume=auto to 20: identical losses."""
     run = tmp_path / "run"

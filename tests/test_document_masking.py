@@ -75,6 +75,7 @@ def test_replacing_the_previous_document_leaves_a_tokens_logits_unchanged(backen
     assert unmasked > 1e-2  # the control: without masking doc B sees doc A
 
 
+@pytest.mark.feature("document masking (data.document_masking)")
 def test_native_and_hf_agree_with_masking(backends):
     """Same checkpoint, same packed batch (2 rows, several documents each): logits within 1e-5 (fp32)."""
     from qwen3_research.data import document_positions

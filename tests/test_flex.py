@@ -15,6 +15,7 @@ def test_flex_on_cpu_is_refused_with_one_line(tmp_path):
                     "no backward on CPU); this run's device is cpu: use model.attention=sdpa")
 
 
+@pytest.mark.feature("FlexAttention with a BlockMask (forward on CPU)")
 @pytest.mark.slow
 def test_flex_forward_with_torchtitans_masks_equals_sdpa_on_cpu():
     """FlexAttention's forward runs on CPU: with the BlockMask from titan.flex_attention_masks (torchtitan's

@@ -77,6 +77,7 @@ def odd_dirs(tmp_path_factory) -> dict[str, Path]:
 # -- acceptance a: architecture from config.json, parity with model=hf ------------------------
 
 
+@pytest.mark.feature("HF import (model.init_from)")
 @pytest.mark.parametrize("name", list(ODD))
 def test_native_init_from_matches_hf_on_odd_architectures(odd_dirs, name):
     from qwen3_research.config import ModelConfig

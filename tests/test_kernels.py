@@ -270,6 +270,7 @@ def _run(tmp_path, name, args, steps=10):
     return proc, train_losses(tmp_path / name)
 
 
+@pytest.mark.feature("CPU kernels (kernels=fast)")
 def test_ten_steps_with_kernels_reproduce_the_float32_reference_run(tmp_path):
     proc, fast = _run(tmp_path, "fast", ["kernels=fast", "kernels.force=true"])
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # printed by the run
@@ -297,6 +298,7 @@ def test_ten_steps_rope_kernel_reproduces_torchtitan_dense(tmp_path):
     ["parallelism.nproc_per_node=2", "parallelism.dp_shard=2"],
     ["parallelism.nproc_per_node=2", "parallelism.tp=2", "parallelism.dp_shard=1"],
 ], ids=["dp_shard2", "tp2"])
+@pytest.mark.feature("tensor parallel without sequence parallel")
 def test_kernels_multi_process(tmp_path, layout):
     proc, fast = _run(tmp_path, "fast", ["kernels=fast", "kernels.force=true", *layout], steps=4)
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # installed in the workers

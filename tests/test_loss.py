@@ -96,6 +96,7 @@ def assert_same(losses: dict, grads: dict) -> None:
 MODELS = {"native": ["model=native"], "native_moe": ["model=native_moe", "kernels=moe_fast", "kernels.force=true"]}  # force: applied whatever the speed measurements say (issue 30)
 
 
+@pytest.mark.feature("chunked loss (training.loss=chunked)")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_chunked_loss_matches_full_single(model, tmp_path):
     assert_same(*run_case(MODELS[model], tmp_path))

@@ -225,6 +225,7 @@ def _state_bytes(run_dir: Path) -> list[int]:
     return [r["state_bytes"] for r in sorted(rows, key=lambda r: r["rank"])]
 
 
+@pytest.mark.feature("FSDP (parallelism.dp_shard)")
 @pytest.mark.slow
 def test_torchrun_fsdp_parity_memory_and_one_run_dir(dense_single, tmp_path):
     """`torchrun --nproc_per_node 2 -m qwen3_research parallelism=fsdp training.steps=5` (acceptance a, b, c)."""
@@ -248,6 +249,7 @@ def test_torchrun_fsdp_parity_memory_and_one_run_dir(dense_single, tmp_path):
     assert [f["cpu_allocator"] for f in facts] == [expected_in_workers()] * 2
 
 
+@pytest.mark.feature("tensor parallel + sequence parallel")
 @pytest.mark.slow
 def test_tp2_sequence_parallel_parity(dense_single, tmp_path):
     _run_ok(["parallelism=tp2", "data.batch_size=4", *BASE], run_dir=tmp_path / "run")
@@ -264,6 +266,9 @@ def test_fsdp_tp_four_ranks_from_one_command(dense_single, tmp_path):
     _check_parity("dp_shard=2 x tp=2+sp (4 ranks)", dense_single, run_dir, DENSE_TOL)
 
 
+@pytest.mark.feature("MoE (model=native_moe) on CPU")
+@pytest.mark.feature("expert parallel (parallelism.ep)")
+@pytest.mark.feature("MoE balance: expert bias")
 @pytest.mark.slow
 def test_moe_dp2_ep2_parity(moe_single, tmp_path):
     _run_ok(["model=native_moe", "parallelism=ep2", "data.batch_size=2", *BASE], run_dir=tmp_path / "run")

@@ -213,6 +213,8 @@ def test_balance_choices_are_checked_per_backend():
 
 
 # -- a MoE run through the CLI ---------------------------------------------------------------------------------
+@pytest.mark.feature("MoE balance: auxiliary loss")
+@pytest.mark.feature("routing statistics")
 def test_moe_run_logs_routing_to_metrics_console_and_wandb(tmp_path):
     """Acceptance a (and b's logging): model=native_moe with the auxiliary loss and W&B offline. metrics.jsonl
     has the routing figures and per-layer rows every logged step, the console one figure (moe_max_load=), the

@@ -4,7 +4,8 @@ upstream torchtitan 0.2.2, the base of AWS's torchtitan-neuron 0.2.2+neuron.1).
 CI builds that environment from requirements-tt022.lock and runs ``pytest -m tt022`` in it (.ci/run).
 Everything here also runs in the main (torchtitan 0.3.0) environment: the cheap checks pass on both;
 the multi-step runs that the main suite already makes on 0.3.0 (named in each skip reason) and the
-refusals that only exist on 0.2.x are skipped there.
+refusals that only exist on 0.2.x are skipped there. ``@pytest.mark.feature`` marks write README's feature
+table (tests/feature_table.py): a test marked ``@only_on_legacy`` shows its row on 0.2.x, the others on both.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from qwen3_research import titan
-from tests.conftest import FAST, assert_ok, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
 
 pytestmark = pytest.mark.tt022
 
@@ -66,16 +67,37 @@ def test_seeded_init_is_deterministic():
     assert differ == len([k for k in sa if "norm" not in k])  # norms start at 1 whatever the seed
 
 
-def test_default_run_trains():
-    """The default run (tiny dense, one CPU process), 3 steps: exit 0, 3 finite losses near ln(vocab)."""
-    proc = run_cli(FAST)
-    assert_ok(proc)
-    losses = [float(line.split("loss=")[1].split()[0]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    print(f"\n[torchtitan {titan.version()}] default run losses {losses} (ln 151936 = {math.log(151936):.2f})")
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    assert all(abs(x - math.log(151936)) < 1.5 for x in losses)  # random init of a 151,936-way softmax
+@pytest.mark.feature("chunked loss (training.loss=chunked)")
+def test_default_run_trains_and_the_chunked_loss_equals_the_full_one(tmp_path):
+    """The default run (tiny dense, one CPU process), 3 steps, with training.loss=chunked and with full: exit 0,
+    3 finite losses near ln(vocab), the same to 1e-5 (fp32; on 0.2.x the hidden states come from the adapter's
+    model seam, titan/v02_seams.model_forward)."""
+    runs = {}
+    for loss in ("chunked", "full"):
+        proc = run_cli([*FAST, f"training.loss={loss}"], run_dir=tmp_path / loss)
+        assert_ok(proc)
+        runs[loss] = train_losses(tmp_path / loss)
+    print(f"\n[torchtitan {titan.version()}] chunked {runs['chunked']}\n{' ' * 20}full    {runs['full']} "
+          f"(ln 151936 = {math.log(151936):.2f})")
+    assert len(runs["chunked"]) == 3 and all(math.isfinite(x) for x in runs["chunked"])
+    assert all(abs(x - math.log(151936)) < 1.5 for x in runs["chunked"])  # random init of a 151,936-way softmax
+    assert max(abs(a - b) for a, b in zip(runs["chunked"], runs["full"])) <= 1e-5
 
 
+def test_training_loss_auto_is_the_same_choice_on_both_torchtitans():
+    """auto: chunked on cpu, full on cuda and neuron, whichever torchtitan API is installed (0.2.x used to
+    resolve it to full: it had no hidden states without the lm_head)."""
+    from qwen3_research.config import auto_loss
+    from qwen3_research.resolve import _loss_for_backend
+
+    for backend in ("native", "native_moe"):
+        for loss in ("auto", "chunked"):
+            cfg = {"model": {"backend": backend}, "training": {"loss": loss}}
+            assert _loss_for_backend(cfg)["training"]["loss"] == loss
+    assert (auto_loss("cpu"), auto_loss("cuda")) == ("chunked", "full")
+
+
+@pytest.mark.feature("HF import (model.init_from)")
 def test_init_from_logits_match_transformers(tmp_path):
     """model.init_from through the adapter's HF state-dict adapter: logits vs transformers within 1e-4 (fp32)."""
     from transformers import AutoModelForCausalLM
@@ -105,8 +127,7 @@ def test_init_from_logits_match_transformers(tmp_path):
 def test_moe_load_balancing_hook_moves_expert_bias():
     """The optimizer pre-step hook (0.3.0's own, or the adapter's copy of it for 0.2.x): counts
     [10,0,0,0,0,0,0,6] (mean 2) -> bias += 1e-3·sign(mean - count), centred: -1.5e-3 for the two busy
-    experts, +0.5e-3 for the idle six; the counts are then zeroed. Runs on the meta-built CPU model:
-    no MoE forward (which 0.2.2 cannot run on CPU)."""
+    experts, +0.5e-3 for the idle six; the counts are then zeroed. Runs on the built CPU model, no forward."""
     from qwen3_research.parallel import Degrees, build_parallel_dims
 
     b = _backend("native_moe", seed=0)
@@ -126,6 +147,7 @@ def test_moe_load_balancing_hook_moves_expert_bias():
     assert all(not bufs[k].any() for k in counts)
 
 
+@pytest.mark.feature("activation checkpointing")
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
     """torchtitan's AC wrapper through the adapter (single process): the same 2 losses as without AC."""
@@ -142,6 +164,7 @@ def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
 # -- multi-step runs on 0.2.x (the main suite makes them on 0.3.x) ------------------------------
 
 
+@pytest.mark.feature("checkpoint resume after SIGKILL")
 @only_on_legacy("test_checkpoint.py::test_resume_reproduces_steps_11_to_20")
 @pytest.mark.slow
 def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
@@ -166,6 +189,7 @@ def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
+@pytest.mark.feature("FSDP (parallelism.dp_shard)")
 @only_on_legacy("test_parallel.py::test_torchrun_fsdp_parity_memory_and_one_run_dir")
 @pytest.mark.slow
 def test_fsdp_two_ranks_match_one_process(tmp_path):
@@ -179,29 +203,20 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4
 
 
-# -- what upstream 0.2.2 cannot run on CPU/gloo: one line, exit 2, before any worker ---------------
+# -- what the 0.2.x API cannot run: one line, exit 2, before any worker ------------------------------
 
 
-@only_on_legacy("test_parallel.py runs MoE, EP and TP on 0.3.0")
-@pytest.mark.parametrize("overrides,expect", [
-    (["model=native_moe"], "model=native_moe on CPU needs torchtitan>=0.3.0 (found 0.2.2): its MoE router counts "
-     "tokens with torch.histc"),
-    (["model=native_moe", "parallelism=ep2"], "model=native_moe on CPU needs torchtitan>=0.3.0 (found 0.2.2)"),
-    (["parallelism=tp2"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0 (found 0.2.2): DTensor has no sharding "
-     "rule for the CPU flash attention"),
-    (["parallelism=fsdp_tp", "parallelism.nproc_per_node=4"], "parallelism.tp=2 on CPU needs torchtitan>=0.3.0"),
-    (["data.document_masking=true"], "data.document_masking=true needs torchtitan>=0.3.0 (found 0.2.2): 0.2.x's SDPA "
-     "attention takes no mask"),
-], ids=["moe", "ep2", "tp2", "fsdp_tp", "document_masking"])
-def test_layouts_0_2_cannot_run_on_cpu_are_one_line_config_errors(tmp_path, overrides, expect):
-    """Measured without the check: MoE stops at NotImplementedError "histogram_cpu" not implemented for
-    'Long'; TP at "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
-    strategy registered". With it: exit 2, one line naming the torchtitan needed, no worker started."""
-    proc = run_cli([*overrides, *FAST], run_dir=tmp_path / "run")
+@only_on_legacy("test_kernels.py::test_kernels_multi_process[tp2] trains TP without SP on 0.3.0")
+@pytest.mark.feature("tensor parallel without sequence parallel", refused="0.2.x always shards the sequence with TP")
+def test_tp_without_sequence_parallel_is_a_one_line_config_error(tmp_path):
+    """0.2.2's TP plan hard-codes the sequence sharding (docs/PARALLELISM.md names the lines): exit 2, one line
+    naming the torchtitan needed, no worker started."""
+    proc = run_cli(["parallelism=tp2", "parallelism.sequence_parallel=false", *FAST], run_dir=tmp_path / "run")
     err = proc.stderr.strip()
     print(f"\n{err}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(err.splitlines()) == 1 and expect in err
+    assert len(err.splitlines()) == 1 and ("parallelism.tp=2 with parallelism.sequence_parallel=false needs "
+                                           "torchtitan>=0.3.0 (found 0.2.2): 0.2.x always shards the sequence with TP") in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -231,10 +246,8 @@ def test_verify_kernels_nki_here_fails_with_its_reason(case):
         assert proc.returncode == 1 and "nothing verified for entry 'nki_moe'" in last
     elif case == "nki_rope_device_neuron":
         assert "device.type=neuron needs TorchNeuron" in last
-    elif case == "nki_rope" or not LEGACY:
+    else:
         assert "needs device neuron (kernel nki_" in last
-    else:  # 0.2.x on CPU refuses MoE before any kernel (its router's histc)
-        assert "model=native_moe on CPU needs torchtitan>=0.3.0" in last
 
 
 def _simulated_neuron(monkeypatch):
@@ -292,6 +305,7 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
     assert (kernel, (2,)) in dbl.LAUNCHES  # the double ran: the check is not vacuous
 
 
+@pytest.mark.feature("CPU kernels (kernels=fast)")
 def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
     """kernels=fast (moe_fast + rope_fast, CPU and CUDA) resolves on both torchtitans' module trees (0.2.x:
     layers.N.moe.experts and the adapter's RoPE module), installs and verifies against the float32 references.
@@ -367,7 +381,7 @@ def test_moe_token_groups_padded_to_128_on_simulated_neuron(monkeypatch):
     gy = torch.randn(x.shape, generator=gen)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     monkeypatch.setattr(torch, "_grouped_mm", neuron_grouped_mm)
-    ya = experts(xa, counts.float() if LEGACY else counts)  # 0.2.x counts are histc floats
+    ya = experts(xa, counts)
     monkeypatch.setattr(torch, "_grouped_mm", real)
     yb = _grouped_mm_experts(*titan.expert_weights(plain), xb, counts)
     (ya * gy).sum().backward()
@@ -397,3 +411,196 @@ def test_moe_token_group_padding_has_static_shapes():
         y.sum().backward()
     print(f"\n[torchtitan {titan.version()}] padded experts on fake tensors: y {tuple(y.shape)}, dx {tuple(x.grad.shape)}")
     assert y.shape == x.shape == x.grad.shape
+
+
+# -- issue 29: what 0.3.x runs, on 0.2.x through the adapter's seams (titan/v02_seams.py) ----------
+
+
+@only_on_legacy("test_loss.py")
+@pytest.mark.feature("chunked loss (training.loss=chunked)")
+@pytest.mark.parametrize("layout,world", [("single", 1), pytest.param("fsdp", 2, marks=pytest.mark.slow),
+                                          pytest.param("tp2", 2, marks=pytest.mark.slow)])
+@pytest.mark.feature("tensor parallel + sequence parallel")
+def test_chunked_loss_and_gradients_equal_the_full_ones(layout, world, tmp_path):
+    """tests/test_loss.py's check on 0.2.x: one step of the real Trainer with each loss on the same weights and batch,
+    loss and every gradient within 1e-5 (fp32). tp2 (+SP): the lm_head is sharded on the vocabulary and the
+    chunked loss takes the vocabulary-parallel path, as on 0.3.x."""
+    from tests.test_loss import assert_same, run_case
+
+    losses, grads = run_case(["model=native", f"parallelism={layout}"], tmp_path, world=world)
+    print(f"[torchtitan {titan.version()}] {layout}: lm_head weight {losses['lm_head_placements']}")
+    if layout == "tp2":
+        assert "Shard(dim=0)" in losses["lm_head_placements"]  # no rank holds all the logits
+    assert_same(losses, grads)
+
+
+@only_on_legacy("test_document_masking.py")
+@pytest.mark.feature("document masking (data.document_masking)")
+def test_document_masked_native_logits_equal_transformers(tmp_path):
+    """tests/test_document_masking.py's check on 0.2.x: the same checkpoint as model=native (init_from) and
+    model=hf, a packed batch of several documents per row: masked logits within 1e-5 (fp32), and masking changes
+    them (0.2.2's attention asserts it gets no mask: the adapter's attention seam gives SDPA the mask)."""
+    from qwen3_research.config import ModelConfig
+    from qwen3_research.data import document_positions
+    from qwen3_research.models.hf_model import HFCausalLM
+    from tests.test_document_masking import EOS
+    from tests.test_hf import write_hf_checkpoint
+    from tests.test_hf_interop import native_from
+
+    hf_dir = write_hf_checkpoint(tmp_path / "qwen3_tiny", moe=False)
+    hf = HFCausalLM(ModelConfig(backend="hf", path=str(hf_dir)), torch.device("cpu"), seq_len=64, seed=0)
+    hf.model.eval()
+    native = native_from(hf_dir, moe=False, seq_len=64)
+    x = torch.randint(0, 151000, (2, 64), generator=torch.Generator().manual_seed(0))
+    x[0, [9, 30, 31]] = EOS  # documents of 10, 21, 1 and 32 tokens; row 1: EOS at 50 only
+    x[1, 50] = EOS
+    pos = document_positions(x, EOS)
+    with torch.no_grad():
+        ours, theirs, unmasked = native.forward(x, positions=pos), hf.forward(x, positions=pos), native.forward(x)
+    diff, moved = float((ours - theirs).abs().max()), float((ours - unmasked).abs().max())
+    print(f"\n[torchtitan {titan.version()}] native vs hf masked: max |logit diff| {diff:.2e}; masked vs unmasked {moved:.2f}")
+    assert diff <= 1e-5
+    assert moved > 1e-2
+
+
+@only_on_legacy("test_flex.py")
+@pytest.mark.feature("FlexAttention with a BlockMask (forward on CPU)")
+def test_flex_forward_with_the_document_block_mask_equals_masked_sdpa():
+    """FlexAttention's forward runs on CPU (no backward there): with the block-causal BlockMask of the documents
+    (titan.document_attention_masks(flex=True)) the logits equal the SDPA path's with the boolean mask to 1e-5;
+    and the causal BlockMask (titan.flex_attention_masks, what model.attention=flex uses) equals causal SDPA."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    model = _backend("native", seed=0).model
+    x = torch.randint(0, 151000, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[*range(10), *range(22)], [*range(5), *range(5), *range(22)]])
+    with torch.no_grad():
+        block = titan.document_attention_masks(model, pos, flex=True)
+        flex = model(x, positions=pos, attention_masks=block)
+        sdpa = model(x, positions=pos, attention_masks=titan.document_attention_masks(model, pos, flex=False))
+        causal_flex = model(x, attention_masks=titan.flex_attention_masks(model, 2, 32, torch.device("cpu")))
+        causal = model(x)
+    diff, causal_diff = float((flex - sdpa).abs().max()), float((causal_flex - causal).abs().max())
+    print(f"\n[torchtitan {titan.version()}] flex vs sdpa, document masks: {diff:.1e}; causal: {causal_diff:.1e}; "
+          f"masked vs causal {float((sdpa - causal).abs().max()):.2f}")
+    assert isinstance(block, BlockMask) and tuple(block.shape) == (2, 1, 32, 32)
+    assert diff < 1e-5 and causal_diff < 1e-5
+    assert float((sdpa - causal).abs().max()) > 1e-2  # the masks are not both causal
+
+
+ROUTING_KEYS = {"moe_max_load", "moe_cv", "moe_empty_frac", "moe_entropy", "moe_per_layer"}
+
+
+@only_on_legacy("test_parallel.py::test_moe_dp2_ep2_parity, test_routing.py, test_checkpoint.py")
+@pytest.mark.slow
+@pytest.mark.feature("MoE (model=native_moe) on CPU")
+@pytest.mark.feature("expert parallel (parallelism.ep)")
+@pytest.mark.feature("MoE balance: auxiliary loss")
+@pytest.mark.feature("MoE balance: expert bias")
+@pytest.mark.feature("routing statistics")
+@pytest.mark.feature("checkpoint resume after SIGKILL")
+def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_sigkill(tmp_path):
+    """model=native_moe, 3 steps in each layout, one balance mode each: single (none), FSDP×2 (aux_loss, with
+    document masking), EP×2 (bias, 4 steps, checkpoint every 2). metrics.jsonl has the routing statistics every
+    step (every token routed to top-2 of 8). EP×2 again, SIGKILLed at step 3 and resumed with checkpoint.resume=auto
+    from step 2: steps 3-4 equal the straight run's (the expert bias and the EP-sharded experts come back)."""
+    base = ["model=native_moe", *[o for o in FAST if not o.startswith("training.steps")]]
+    ep = ["parallelism=ep2", "model.moe.balance=bias", "training.steps=4", "checkpoint.enable=true", "checkpoint.every=2"]
+    runs = {
+        "single": ["model.moe.balance=none", "training.steps=3"],
+        "fsdp": ["parallelism=fsdp", "model.moe.balance=aux_loss", "data.document_masking=true", "training.steps=3"],
+        "ep2": ep,
+    }
+    for name, args in runs.items():
+        proc = run_cli([*base, *args], run_dir=tmp_path / name, timeout=600)
+        assert_ok(proc)
+        rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        world = 1 if name == "single" else 2
+        print(f"\n[torchtitan {titan.version()}] native_moe {name} ({args[0]} {args[1]}): losses "
+              f"{[round(r['loss'], 4) for r in rows]} max_load {[round(r['moe_max_load'], 3) for r in rows]}"
+              + (f" aux_loss {[round(r['aux_loss'], 3) for r in rows]}" if name == "fsdp" else ""))
+        assert len(rows) == (4 if name == "ep2" else 3) and all(math.isfinite(r["loss"]) for r in rows)
+        for r in rows:
+            assert ROUTING_KEYS <= set(r) and len(r["moe_per_layer"]) == 4
+            assert all(sum(x["tokens"]) == world * 2 * 32 * 2 for x in r["moe_per_layer"])  # ranks×batch×seq×top-2
+        assert ("aux_loss" in rows[0]) == (name == "fsdp")
+        if name == "ep2":
+            assert "moe_balance=bias" in proc.stdout
+    killed = run_cli([*base, *ep, "training.fault=kill@3"], run_dir=tmp_path / "resumed", timeout=600)
+    assert killed.returncode != 0
+    resumed = run_cli([*base, *ep, "checkpoint.resume=auto"], run_dir=tmp_path / "resumed", timeout=600)
+    assert_ok(resumed)
+    ref, got = train_losses(tmp_path / "ep2"), train_losses(tmp_path / "resumed")
+    print(f"EP×2 steps 3-4 straight {ref[2:]}\n              resumed  {got[-2:]}")
+    assert got[-2:] == ref[2:]
+
+
+# torchtitan 0.2.2 source each seam of titan/v02_seams.py mirrors or wraps (v02_seams.MIRRORED): sha256[:16] of
+# inspect.getsource. A torchtitan (or torchtitan-neuron) update that changes one fails here: compare the new source
+# with the seam named in the message, update the seam, then the hash.
+MIRRORED_SHA = {
+    ("torchtitan.models.qwen3.model.model", "Qwen3Model.forward"): "2c18a3dfd9a1385a",
+    ("torchtitan.models.qwen3.model.model", "Attention.forward"): "ae5ea2947f6a04ac",
+    ("torchtitan.models.moe.moe", "TokenChoiceTopKRouter.forward"): "46772c215d8b513a",
+    ("torchtitan.models.moe.moe", "TokenReorderer.forward"): "3d64d9007a2cf165",
+    ("torchtitan.models.moe.kernels", "generate_permute_indices"): "97cd691552e2bf80",
+    ("torchtitan.models.moe.utils", "_permute"): "57802930f8daa67a",
+}
+
+
+@pytest.mark.skipif(not LEGACY, reason="torchtitan 0.3.x here: no 0.2.x seam to pin")
+def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
+    import hashlib
+    import importlib
+    import inspect
+
+    from qwen3_research import device as devices
+
+    devices.prepare_torchtitan("cpu")
+    from qwen3_research.titan import v02_seams as v02
+
+    assert set(v02.MIRRORED) == set(MIRRORED_SHA)
+    changed = []
+    for (module, qualname), seam in v02.MIRRORED.items():
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        sha = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        if sha != MIRRORED_SHA[(module, qualname)]:
+            changed.append(f"{module}.{qualname} (sha {sha}; mirrored by titan/v02_seams.py {seam})")
+    print(f"\n[torchtitan {titan.version()}] {len(v02.MIRRORED)} mirrored functions checked; changed: {changed}")
+    assert not changed, "torchtitan changed what a 0.2.x seam mirrors: " + "; ".join(changed)
+
+
+# -- README's feature table (tests/feature_table.py) -----------------------------------------------
+
+
+def test_readme_feature_table_is_what_the_tests_show():
+    """README's table equals the one written from the tests' feature markers (both environments: the markers are
+    read from the source). After adding, removing or re-marking a test: python -m tests.feature_table --write."""
+    from tests import feature_table
+
+    got, want = feature_table.readme_table(), feature_table.table()
+    print(f"\n{want}")
+    assert got == want, "README's feature table is stale: run python -m tests.feature_table --write"
+
+
+def test_a_removed_test_removes_its_check_mark(tmp_path):
+    """A row's cell comes from the tests that declare it: a 0.2.x-only test gives ✔ on 0.2.x alone, a refusal its
+    line; without the test the cell says no test shows it."""
+    from tests import feature_table
+
+    (tmp_path / "test_tt022.py").write_text(
+        "@only_on_legacy('x')\n@pytest.mark.feature('routing statistics')\ndef test_a():\n    pass\n\n\n"
+        "@pytest.mark.feature('chunked loss (training.loss=chunked)')\ndef test_b():\n    pass\n\n\n"
+        "@only_on_legacy('x')\n@pytest.mark.feature('document masking (data.document_masking)', refused='no mask')\n"
+        "def test_c():\n    pass\n")
+    (tmp_path / "test_other.py").write_text("@pytest.mark.feature('routing statistics')\ndef test_d():\n    pass\n")
+    rows = {r.split(" | ")[0][2:]: r for r in feature_table.table(feature_table.collect(tmp_path)).splitlines()[2:]}
+    assert rows["routing statistics"].endswith("| ✔ | ✔ |")
+    assert rows["chunked loss (training.loss=chunked)"].endswith("| ✔ | ✔ |")
+    assert rows["document masking (data.document_masking)"].endswith("| — (no test) | refused: no mask |")
+    (tmp_path / "test_other.py").unlink()
+    rows = {r.split(" | ")[0][2:]: r for r in feature_table.table(feature_table.collect(tmp_path)).splitlines()[2:]}
+    assert rows["routing statistics"].endswith("| — (no test) | ✔ |")
+    assert rows["FSDP (parallelism.dp_shard)"].endswith("| — (no test) | — (no test) |")

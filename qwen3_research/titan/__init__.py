@@ -8,11 +8,12 @@ torchtitan change is a change to this package alone. The rest of the package imp
 - ``common.py``: what is the same on every API (feature detection, version facts, the MoE token-group
   padding for TorchNeuron, gradient clipping, the GPU peak table, FlexAttention masks);
 - ``v03.py``: upstream 0.3.x (models from nested ``Config`` objects);
-- ``v02.py``: the 0.2.x API (upstream 0.2.2, AWS's torchtitan-neuron 0.2.2+neuron.1; ModelArgs + JobConfig).
+- ``v02.py``: the 0.2.x API (upstream 0.2.2, AWS's torchtitan-neuron 0.2.2+neuron.1; ModelArgs + JobConfig), and
+  ``v02_seams.py``: what its model gets that 0.3.x has (chunked-loss hidden states, masks, MoE and TP on CPU).
 
 Exactly one API module is bound below, once per process, by feature detection (``legacy()``: a probe for
-a module on disk, never the version string). Dropping 0.2.x is deleting ``v02.py`` and the one line that
-binds it (``if legacy(): ...``). Both expose the same names (``API``); ``check_supported`` refuses at start-up, in one line,
+a module on disk, never the version string). Dropping 0.2.x is deleting ``v02.py``, ``v02_seams.py`` and the one
+line that binds it (``if legacy(): ...``). Both expose the same names (``API``); ``check_supported`` refuses at start-up, in one line,
 what the installed version cannot run.
 
 Import torchtitan (through any function here) only after ``device.prepare_torchtitan``: torchtitan reads

@@ -4,56 +4,39 @@ models built from a ``Qwen3ModelArgs`` dataclass and parallelized from a ``JobCo
 
 One of the two API modules behind the facade (``qwen3_research.titan``), which imports this one only where
 0.2.x is installed (feature detection, ``common.legacy``); ``v03.py`` has the same names for 0.3.x.
-Dropping 0.2.x is deleting this file and its one line in the facade. Every torchtitan import is inside a
-function: torchtitan reads the device type at import (``device.prepare_torchtitan`` comes first).
+Dropping 0.2.x is deleting this file, ``v02_seams.py`` (what the 0.2.x model gets that 0.3.x has) and its one
+line in the facade. Every torchtitan import is inside a function: torchtitan reads the device type at import
+(``device.prepare_torchtitan`` comes first).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from types import SimpleNamespace
 
+from qwen3_research.titan import v02_seams as seams
 from qwen3_research.titan.common import needs
 
 
 def check_supported(rc, *, moe: bool) -> None:
     """Refuse at start-up, in one line, what the installed torchtitan cannot run (launch calls this).
 
-    Measured with upstream 0.2.2 (torch 2.14.0, CPU/gloo): MoE stops in the router's
-    ``torch.histc`` (no CPU kernel for integer counts); TP stops in DTensor, which has no sharding
-    rule for ``aten._scaled_dot_product_flash_attention_for_cpu``. Other limits of the 0.2.x API:
-    TP always shards the sequence (no TP without SP); no FlexAttention through ``model(tokens)``.
-    Kernel overrides run on both APIs (``prepare_kernel_targets``, ``expert_weights``); what a
-    kernel needs of the device and packages is ``kernels.registry.kernel_support``. ``moe``: the model
+    What upstream 0.2.2 lacks and the seams ``build_model`` installs give (``v02_seams.install``): the hidden
+    states without the lm_head (training.loss=chunked), MoE on CPU (the router's ``torch.histc`` has no CPU kernel
+    for integer counts), TP on CPU (DTensor has no sharding rule for the CPU flash attention), attention masks
+    (document masking, FlexAttention). What is left: 0.2.x's TP plan always shards the sequence
+    (docs/PARALLELISM.md). Kernel overrides run on both APIs (``prepare_kernel_targets``, ``expert_weights``);
+    what a kernel needs of the device and packages is ``kernels.registry.kernel_support``. ``moe``: the model
     is a Qwen3-MoE (the backend's spec says so).
     """
-    from qwen3_research.device import resolve_device_type
     from qwen3_research.errors import ConfigError
 
-    p, device_type = rc.parallelism, resolve_device_type(rc.device.type)
-    if device_type == "cpu" and moe:
-        raise ConfigError(
-            f"model=native_moe on CPU {needs()}: its MoE router counts tokens with torch.histc, which has no "
-            "CPU kernel for integer counts; use model=native, device=cuda/neuron, or install torchtitan==0.3.0"
-        )
-    if device_type == "cpu" and p.tp > 1:
-        raise ConfigError(
-            f"parallelism.tp={p.tp} on CPU {needs()}: DTensor has no sharding rule for the CPU flash "
-            "attention its TP attention calls; use parallelism.tp=1 (FSDP: parallelism.dp_shard), or torchtitan==0.3.0"
-        )
+    p = rc.parallelism
     if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(
             f"parallelism.tp={p.tp} with parallelism.sequence_parallel=false {needs()}: 0.2.x always shards "
             "the sequence with TP; set parallelism.sequence_parallel=true"
         )
-    if rc.data.document_masking:
-        raise ConfigError(
-            f"data.document_masking=true {needs()}: 0.2.x's SDPA attention takes no mask (it asserts "
-            "attention_masks is None); use data.document_masking=false, model=hf, or torchtitan==0.3.0"
-        )
-    if rc.model.attention == "flex" and device_type == "cuda":
-        raise ConfigError(f"model.attention=flex {needs()}: 0.2.x takes a BlockMask we do not pass; use model.attention=sdpa")
 
 
 # -- what the kernel overrides replace -----------------------------------------------------------
@@ -73,11 +56,11 @@ def expert_weights(module):
 def prepare_kernel_targets(model, rope: bool) -> None:
     """On 0.2.x with ``rope``: give every attention a ``rope`` child module that RoPE kernels replace.
 
-    The child (``CosSinRoPE`` below, the 0.3.x module's interface: ``cache``, ``config.dim``,
+    The child (``CosSinRoPE`` of ``v02_seams.rope_module_class``, the 0.3.x module's interface: ``cache``, ``config.dim``,
     ``_reshape_cache``, ``forward(query, key, positions)``) computes 0.2.x's own ``apply_rotary_emb``
-    on the model's ``rope_cache``; the attention's class becomes a subclass whose forward calls it
-    (``_attention_forward_02``). No parameter or buffer is added: state dicts, FSDP and TP plans are
-    unchanged. A no-op without ``rope`` and when already done.
+    on the model's ``rope_cache``; the attention's forward (``v02_seams.attention_forward``, installed by
+    ``build_model``) calls it when present. No parameter or buffer is added: state dicts, FSDP and TP
+    plans are unchanged. A no-op without ``rope`` and when already done.
     """
     if not rope:
         return
@@ -85,68 +68,9 @@ def prepare_kernel_targets(model, rope: bool) -> None:
 
     for module in list(model.modules()):
         if isinstance(module, Attention) and not hasattr(module, "rope"):
-            module.__class__ = _seam_attention_class(type(module))
-            module.rope = _rope_seam_class()(module.head_dim, model)
-
-
-@functools.lru_cache(maxsize=None)
-def _rope_seam_class():
-    import weakref
-
-    import torch.nn as nn
-    from torchtitan.models.qwen3.model.model import apply_rotary_emb, reshape_for_broadcast
-
-    class CosSinRoPE(nn.Module):
-        """0.2.x's RoPE as a module with 0.3.x's CosSinRoPE interface (the kernels' target type)."""
-
-        def __init__(self, head_dim: int, model):
-            super().__init__()
-            self.config = SimpleNamespace(dim=head_dim)
-            # The model's rope_cache buffer, read at each call (it is replaced when the weights are
-            # materialized); a weak reference, so the model is not registered as a child of its own module.
-            object.__setattr__(self, "_model", weakref.ref(model))
-
-        @property
-        def cache(self):
-            return self._model().rope_cache
-
-        def _reshape_cache(self, query, positions=None):
-            return reshape_for_broadcast(self.cache, query, positions)  # [1|B, L, 1, 2 × head_dim]
-
-        def forward(self, query, key, positions=None):
-            return apply_rotary_emb(query, key, self.cache, positions)
-
-    return CosSinRoPE
-
-
-@functools.lru_cache(maxsize=None)
-def _seam_attention_class(base):
-    return type(base.__name__, (base,), {"forward": _attention_forward_02, "__module__": __name__})
-
-
-def _attention_forward_02(self, x, rope_cache, attention_masks, positions=None):
-    """0.2.2's ``Attention.forward`` (torchtitan/models/qwen3/model/model.py at v0.2.2) for the SDPA path
-    this adapter always configures (``qwen3_model_config``: attn_type="sdpa"), with RoPE through
-    ``self.rope`` instead of the module-level function; every other line is torchtitan's. AWS's Qwen3
-    changes for Trainium leave this file alone (docs/torchtitan/qwen3/TorchTitan.diff in
-    parmoham-aws/test-repo-parmoham touches only the SAC save list and the peak-FLOPs table)."""
-    bs, seqlen, _ = x.shape
-    xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
-    # -1: TP may have sharded the heads
-    xq = xq.view(bs, seqlen, -1, self.head_dim)
-    xk = xk.view(bs, seqlen, -1, self.head_dim)
-    xv = xv.view(bs, seqlen, -1, self.head_dim)
-    if self.q_norm:
-        xq = self.q_norm(xq)
-    if self.k_norm:
-        xk = self.k_norm(xk)
-    xq, xk = self.rope(xq, xk, positions)  # the model's rope_cache, as torchtitan passes it
-    xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-    if self.attn_type != "sdpa" or attention_masks is not None:
-        raise RuntimeError(f"RoPE kernels on torchtitan 0.2.x support attn_type='sdpa' only (got {self.attn_type})")
-    output = self.inner_attention(xq, xk, xv, scale=self.scaling, enable_gqa=self.enable_gqa)
-    output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
-    return self.wo(output)
+            if getattr(type(module), "forward", None) is not seams.attention_forward:
+                module.__class__ = seams.attention_class(type(module))
+            module.rope = seams.rope_module_class()(module.head_dim, model)
 
 
 def unpadded_experts_forward(base):
@@ -168,8 +92,8 @@ def qwen3_model_config(flavor, attention: str, device_type: str):
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    # 0.2.x's flex path needs a BlockMask passed into forward; we call model(tokens), so it runs
-    # causal SDPA everywhere (the same math; flex is a CUDA speed option of 0.3.x).
+    # attn_type="sdpa" always: the attention seam (``_attend``) runs FlexAttention when the forward is given a
+    # BlockMask (model.attention=flex), SDPA otherwise; the modules and their state are the same.
     moe = {}
     if flavor.num_experts:
         # Qwen3-MoE routing, as 0.2.2's own "30B-A3B" flavor: softmax scores, renormalized top-k.
@@ -193,7 +117,9 @@ def build_model(model_config):
     """The nn.Module (call under ``torch.device("meta")``)."""
     from torchtitan.models.qwen3 import Qwen3Model
 
-    return Qwen3Model(model_config)
+    model = Qwen3Model(model_config)
+    seams.install(model)
+    return model
 
 
 def nparams_and_flops(args, model, seq_len: int) -> tuple[int, int]:
@@ -222,6 +148,14 @@ def nparams_and_flops(args, model, seq_len: int) -> tuple[int, int]:
 
 
 def init_weights(model, buffer_device) -> None:
+    """0.2.2's init, except on fake tensors (the memory planner's trace, ``planner.trace_rank``): 0.2.2's
+    ``trunc_normal_`` (torchtitan/models/utils.py) reads a value there, and a fake tensor has none to fill; the
+    plan needs the tensors' shapes only, and the RoPE cache buffer is already of its shape."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    p = next(model.parameters(), None)
+    if p is not None and is_fake(p.to_local() if hasattr(p, "to_local") else p):
+        return
     model.init_weights(buffer_device=buffer_device)
 
 
@@ -351,8 +285,19 @@ def attach_router_hooks(model, fn) -> tuple[list, list]:
 
 
 def document_attention_masks(model, positions, flex: bool):
-    """Not on 0.2.x: ``check_supported`` refuses data.document_masking at start-up."""
-    raise NotImplementedError(f"document masking {needs()}")
+    """The attention masks of packed documents whose ``positions`` (B, L) restart at 0 at every document, as
+    ``v03.document_attention_masks``: flex (CUDA) a block-causal BlockMask (the model seam's
+    ``get_attention_masks``); sdpa a boolean (B, 1, L, L) mask, same document and causal, which the attention
+    seam (``_attend``) gives to SDPA. B·L² bytes: 64 MiB at 4 × 4096."""
+    import torch
+
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if flex:
+        return inner.get_attention_masks(positions=positions)
+    doc = torch.cumsum(positions == 0, dim=1)
+    L = positions.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def state_dict_adapter(model_config):
