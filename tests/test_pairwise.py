@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -115,9 +116,12 @@ def run_cell(cell: dict[str, str], hf_args: list[str], tmp: Path) -> tuple[str, 
     assert diff <= tol, f"losses {losses} vs the one-process twin's {twin_losses}: |diff| {diff:.2e} > {tol:.0e}"
     detail = f"max |loss - twin| {diff:.1e} (tol {tol:.0e})"
     if cell["model"] == "native_moe":  # routing statistics are all-reduced over the ranks: the twin's, step 1
+        # fp32: the same routing to 1e-3; bf16 parameters (or compile) move near-tie scores, so a token or two of
+        # 2 × 32 × top-2 picks another expert (measured: CV 0.3289 vs 0.3307 under fsdp bf16): 2 %
+        rtol = 1e-3 if cell["precision"] == "fp32" and cell["compile"] == "off" else 2e-2
         for key in ROUTING_KEYS:
             a, b = rows[0][key], twin_rows[0][key]
-            assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), f"step 1 {key} {a} vs the twin's {b}"
+            assert abs(a - b) <= rtol * max(1.0, abs(b)), f"step 1 {key} {a} vs the twin's {b} (rtol {rtol:.0e})"
         detail += f"; step-1 routing = twin's (max_load {rows[0]['moe_max_load']:.3f})"
     return f"{outcome}, = one-process twin", detail
 
@@ -154,8 +158,8 @@ def test_every_pair_runs_or_is_refused_before_it_starts(hf_dir, tmp_path):
         t0 = time.perf_counter()
         try:
             outcome, detail = run_cell(cell, hf_args, tmp_path / f"cell{i}")
-        except AssertionError as e:
-            outcome, detail = "FAILED", str(e)
+        except (AssertionError, subprocess.TimeoutExpired) as e:  # a hang is a failure of this cell, not of the rest
+            outcome, detail = "FAILED", str(e)[-3000:]
             failures.append(f"cell {i} ({pairwise.label(cell)}): {e}")
         outcome = outcome.replace(str(tmp_path), "<tmp>").replace(str(hf_dir), "<hf>")
         results.append((cell, outcome))
