@@ -467,7 +467,7 @@ class Trainer:
 
         return export_trained(self.backend, self.run_dir / "hf", inputs=held_out_inputs(self.data),
                               device=self.device.torch_device, tokenizer=self.tokenizer,
-                              compute_dtype=compute_dtype(self.cfg, self.backend))
+                              compute_dtype=compute_dtype(self.cfg, self.backend, self.precision))
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
         from qwen3_research.metrics import mfu, tokens_per_second

@@ -167,11 +167,13 @@ def _hf_state(model, model_config) -> dict:
 
 
 def _dropped_native_tensors(model) -> list[str]:
-    """Non-zero native-only tensors ``_hf_state`` leaves out (torchtitan's MoE expert bias), with their size."""
+    """Non-zero native-only tensors ``_hf_state`` leaves out (torchtitan's MoE expert bias), with their size (this
+    rank's part). Rank 0 alone calls it: buffers, not ``state_dict()``, which is collective under TP (torchtitan's
+    fused QKV redistributes its shards on save; a 2-rank tp run hung there, its peer waiting in the broadcast)."""
     from qwen3_research import titan
 
     out = []
-    for k, v in _unwrap(model).state_dict().items():
+    for k, v in _unwrap(model).named_buffers():
         if titan.native_only_buffer(k):
             peak = float(_local(v).float().abs().max()) if _local(v).numel() else 0.0
             if peak > 0:
@@ -396,10 +398,14 @@ def held_out_inputs(data) -> torch.Tensor:
     return batches[0].inputs if batches else data.train_batch(0, 0, 1, 0, 1, 0).inputs
 
 
-def compute_dtype(cfg, backend) -> str:
-    """float32, or bfloat16 where torchtitan's MoE experts run (no fp32 expert kernel installed)."""
+def compute_dtype(cfg, backend, precision: dict | None = None) -> str:
+    """float32, or bfloat16 where the trained model computes in it: FSDP2's bf16 parameters (``precision``, the
+    Trainer's plan: the reference forward gathers bf16 copies, so its logits carry bf16 rounding against the float32
+    reload: 2-3e-2 on tiny, tp2 bf16), or torchtitan's MoE experts (no fp32 expert kernel installed)."""
     from qwen3_research.kernels import kernel_replaces
 
+    if (precision or {}).get("param_dtype") == "bfloat16":
+        return "bfloat16"
     if not getattr(backend, "is_moe", False):
         return "float32"
     for entry in cfg.kernels.entries or []:
