@@ -23,6 +23,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwen3_research.errors import ConfigError
+
 # The compiled run's peak over the eager run's, measured on one H200 (Qwen3-0.6B seq 2048 x 8 bf16, torch 2.11,
 # torchtitan 0.2.2; GUIDE §9): 56.8 / 70.0 GiB. The plan traces the eager step and prints this factor beside it.
 COMPILED_PEAK_FACTOR = 56.8 / 70.0
@@ -60,11 +62,27 @@ class CompileDecision:
         return line
 
 
-def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True) -> CompileDecision:
+# torch.compile per block under tensor parallelism fails in the first backward for these models (CPU, torch 2.14,
+# found by tests/test_pairwise.py): AOTAutograd guesses a block output's tangent wrong, "Expected a DTensor tangent
+# but got a plain Tensor" (MoE: the router's outputs; model=hf: 'Tensor' object has no attribute '_local_tensor' in
+# DTensor's redistribute backward). torchtitan's own dense Qwen3 compiles under TP (tp2 and tp2 + SP run).
+TP_UNCOMPILABLE = "per-block torch.compile under tensor parallelism fails in the first backward for {what} " \
+    "(AOTAutograd: 'Expected a DTensor tangent but got a plain Tensor')"
+
+
+def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker: str | None = None) -> CompileDecision:
     """compile.enable for this run: true/false as given, auto by what was measured (module docstring). ``probe``:
-    ask the host for the cache key's device facts (False: a plan for a device this host does not have)."""
+    ask the host for the cache key's device facts (False: a plan for a device this host does not have).
+    ``tp_blocker``: what keeps this model from compiling under its TP degree (None: nothing): true is refused with
+    it, auto is off."""
     c = rc.compile
     backend = c.backend or ("neuron" if device_type == "neuron" else "inductor")
+    if tp_blocker and c.enable is True:
+        raise ConfigError(f"compile.enable=true with parallelism.tp={rc.parallelism.tp}: "
+                          f"{TP_UNCOMPILABLE.format(what=tp_blocker)}; use compile.enable=false (or auto) with tp, "
+                          "or parallelism.tp=1")
+    if tp_blocker and c.enable not in (True, False):
+        return CompileDecision(False, f"auto: {TP_UNCOMPILABLE.format(what=tp_blocker)}", backend)
     if c.enable is True or c.enable is False:
         enable, reason = bool(c.enable), f"compile.enable={str(c.enable).lower()}"
     elif device_type == "cuda" and not is_moe and rc.training.mixed_precision == "bf16" and not rc.kernels.entries:

@@ -147,7 +147,11 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
     from qwen3_research import compiling
 
-    decision = compiling.decide(rc, kind, is_moe=bool(facts.get("is_moe")), probe=not elsewhere and not plan)
+    spec = models.check(rc.model)
+    tp_blocker = None if degrees.tp == 1 else ("a MoE model" if facts.get("is_moe") else
+                                               None if spec.compiles_under_tp else f"model={spec.name}")
+    decision = compiling.decide(rc, kind, is_moe=bool(facts.get("is_moe")), probe=not elsewhere and not plan,
+                                tp_blocker=tp_blocker)
     config = {**config, "compile": {**config["compile"], "enable": decision.enable}}
     rc = dataclasses.replace(rc, compile=dataclasses.replace(rc.compile, enable=decision.enable))
     if prepare is not None:

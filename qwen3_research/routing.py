@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 HF_DEFAULT_AUX_COEF = 0.001  # transformers' Qwen3MoeConfig.router_aux_loss_coef default
 PER_LAYER = ("max_load", "cv", "empty_frac", "entropy")
@@ -91,8 +92,9 @@ def aux_loss(probs: list, num_experts: int, top_k: int) -> torch.Tensor:
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(this rank's part, the share of it this rank counts): a DTensor replicated over some mesh axes is seen
     by every rank of those axes, so each counts 1/that many (the sum over all ranks then counts it once)."""
-    if not hasattr(t, "to_local"):
-        return t, 1.0
+    if not isinstance(t, DTensor):  # not hasattr(t, "to_local"): under torch.compile (per block, the router hook
+        return t, 1.0                # inside the graph) dynamo answered it False for a DTensor, whose ids then met
+                                     # a plain tensor in scatter_add_ (tp2 MoE compiled: a fake-tensor error)
     replicas = 1
     for dim, placement in enumerate(t.placements):
         if not placement.is_shard():

@@ -324,7 +324,8 @@ register(KernelSpec(
 ))
 
 
-def _moe_reference_op(x, w1, w2, w3, counts):
+@torch.compiler.disable  # eager inside a compiled block: its per-expert loop slices rows by data-dependent counts,
+def _moe_reference_op(x, w1, w2, w3, counts):  # which inductor's codegen lost ("cannot access local variable 'u11'")
     with _no_autocast(x):  # the float32 reference stays float32 inside a bf16 autocast run
         return moe_reference(x, w1, w2, w3, counts).to(x.dtype)
 

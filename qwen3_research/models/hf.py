@@ -57,4 +57,5 @@ def smoke_overrides(tmp: Path) -> list[str]:
 BACKEND = BackendSpec(
     name="hf", describe=describe, build=build, takes_path=True, tokenizer_dir=lambda cfg: cfg.path,
     smoke_overrides=smoke_overrides, balance_modes=("none", "aux_loss"), document_masking=True,
+    compiles_under_tp=False,
 )

@@ -77,6 +77,8 @@ class BackendSpec:
     # training.loss=chunked: the model gives hidden_states(inputs) and lm_head_weight (qwen3_research.loss.lm_loss);
     # without them training.loss=auto is the full loss on every device, and chunked is a config error.
     chunked_loss: bool = True
+    # torch.compile per block under tensor parallelism (compiling.TP_UNCOMPILABLE: false refuses compile with tp)
+    compiles_under_tp: bool = True
 
 
 @functools.lru_cache(maxsize=None)
