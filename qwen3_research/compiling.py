@@ -172,6 +172,9 @@ def _package_version(name: str) -> str:
         return "none"
 
 
+NEFF_COMPILERS = ("neuron",)  # torch.compile backends whose graphs become NEFFs (neuronx-cc)
+
+
 def export_cache_env(decision: CompileDecision, env=None) -> dict:
     """Point every compile cache at the keyed directory, in this process's environment (which every worker
     inherits): before any worker starts, and again in each worker (idempotent). Returns what was set."""
@@ -181,7 +184,7 @@ def export_cache_env(decision: CompileDecision, env=None) -> dict:
     d = Path(decision.cache_dir)
     d.mkdir(parents=True, exist_ok=True)
     values = {"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton"), **ENABLE_ENV_VARS}
-    if decision.backend == "neuron":  # TorchNeuron's NEFFs (and the older torch-xla stack's cache, which it ignores)
+    if decision.backend in NEFF_COMPILERS:  # TorchNeuron's NEFFs (and the older torch-xla stack's cache, which it ignores)
         values.update({NEFF_CACHE_ENV: str(d / "neff"), LEGACY_NEFF_CACHE_ENV: str(d / "neff-legacy")})
     env.update(values)
     return values

@@ -335,6 +335,7 @@ def test_verify_uses_the_kernel_specs_tolerance(monkeypatch):
     model = NativeQwen3(ModelConfig(backend="native", flavor="tiny"), torch.device("cpu"), 32, 0).model
     cfg = RunConfig()
     cfg.kernels.entries = [KernelEntry(name="rope_fast", target="type:CosSinRoPE")]
+    cfg.kernels.force = True  # rope_fast is measured slower on some CPUs: the tolerance is the point here
     cfg.data.seq_len, cfg.data.batch_size = 32, 2
     cpu = SimpleNamespace(type="cpu", lnc=None, torch_device=torch.device("cpu"))
     plan = apply_overrides(model, cfg, cpu)
