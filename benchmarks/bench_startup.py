@@ -9,6 +9,10 @@ Two measurements, each repeated:
      first step (Trainer.train() for one step) → exit.
 
     python benchmarks/bench_startup.py             # --quick (default): 2 repeats
+    python benchmarks/bench_startup.py --config-errors-only   # C only: how fast a config error exits
+
+C. three config errors (an unknown key, an unknown option, impossible degrees), median of 5 each: the time a
+   bad command takes to say so.
 """
 
 from __future__ import annotations
@@ -76,12 +80,32 @@ def run_child() -> dict:
     return {"wall": wall, **json.loads(line[6:])}
 
 
+CONFIG_ERRORS = [["training.stepz=1"], ["model=nope"], ["parallelism.tp=3", "parallelism.nproc_per_node=2"]]
+
+
+def run_config_error(overrides: list[str]) -> tuple[float, int, str]:
+    """One bad command: wall seconds, exit status, its last stderr line (the one-line error)."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "qwen3_research", *overrides], cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    return wall, out.returncode, (out.stderr.strip().splitlines() or [""])[-1][:110]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--config-errors-only", action="store_true",
+                    help="only C: how long a config error takes to exit (median of 5 per command)")
     args = ap.parse_args(argv)
     print(f"# bench_startup: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"# command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
+    print("C. a config error: median wall of 5 runs per command (exit status, last stderr line)")
+    for overrides in CONFIG_ERRORS:
+        runs = sorted(run_config_error(overrides) for _ in range(5))
+        wall, rc, line = runs[2]
+        print(f"  {' '.join(overrides)}: {wall:.2f} s (min {runs[0][0]:.2f}, max {runs[-1][0]:.2f}), exit {rc}: {line}")
+    if args.config_errors_only:
+        return
     print(f"A. python -m qwen3_research {' '.join(OVERRIDES)}")
     for i in range(args.repeats):
         r = run_cli()
