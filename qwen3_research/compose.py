@@ -3,8 +3,7 @@
 Every place that composes a run config before (or beside) Hydra's own run -- the CLI's preflight and
 run-dir check, the torchrun run-dir agreement, the planner, a sweep's plan of its points, the Slurm
 preflight, the doctor, ``verify_kernels`` -- calls ``compose`` here, so all of them read the same
-``conf/`` (shipped inside the package: a non-editable install finds it) and report a bad override as the
-same one line (``format_compose_error``).
+``conf/`` (``CONF_DIR``) and report a bad override as the same one line (``format_compose_error``).
 """
 
 from __future__ import annotations
@@ -14,7 +13,24 @@ from pathlib import Path
 from qwen3_research.config import register_configs
 from qwen3_research.errors import ConfigError
 
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+def find_conf_dir() -> str:
+    """The config tree: ``conf/`` at the repository root, which setuptools installs as the package
+    ``qwen3_research.conf`` (setup.py maps the folder; pyproject.toml's package-data takes its YAML).
+
+    A wheel or ``pip install .`` puts it inside the installed package (``<site>/qwen3_research/conf``); a checkout
+    and an editable install import the package from the checkout, whose ``conf/`` is beside it. The first of the
+    two that holds ``config.yaml``."""
+    package = Path(__file__).resolve().parent
+    candidates = (package / "conf", package.parent / "conf")
+    for conf in candidates:
+        if (conf / "config.yaml").is_file():
+            return str(conf)
+    raise ConfigError(f"no config tree: neither {candidates[0]} nor {candidates[1]} holds config.yaml "
+                      "(reinstall the package, or run from a checkout)")
+
+
+CONF_DIR = find_conf_dir()
 
 
 def compose(overrides: list[str], *, config_name: str = "config", searchpath: list[str] | None = None,

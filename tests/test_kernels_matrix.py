@@ -38,7 +38,7 @@ devices.prepare_torchtitan("cpu")
 
 from qwen3_research.kernels import KERNELS  # noqa: E402
 
-CONF = ROOT / "qwen3_research" / "conf" / "kernels"
+CONF = ROOT / "conf" / "kernels"
 PRECISIONS = ("fp32", "bf16_autocast", "bf16_params")
 HAS_CUDA = torch.cuda.is_available()
 HAS_NEURON = importlib.util.find_spec("torch_neuronx") is not None and devices.neuron_available()

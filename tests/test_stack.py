@@ -259,6 +259,47 @@ def test_the_scans_can_fail(tmp_path):
                                                   "qwen3_research.config"]
 
 
+# -- conf/ at the repository root, installed as qwen3_research.conf --------------------------------
+CONF = ROOT / "conf"
+CONF_GROUPS = ("model", "parallelism", "kernels", "optimizer", "data", "device", "experiment")
+# One --cfg job command, compared between the checkout and each install (several groups, a preset, a key).
+CFG_JOB = ["--cfg", "job", "model=native_moe", "parallelism=fsdp", "kernels=moe_fast", "experiment=trn2_smoke",
+           "device=cpu", "training.steps=7"]
+
+
+def copy_project(src: Path) -> Path:
+    """What a build reads, copied (so a build writes nothing into the checkout): the package, conf/ (installed as
+    qwen3_research.conf) and the files setuptools takes its metadata and package list from."""
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("qwen3_research", "conf"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
+def cfg_job(python: str, cwd: Path, env: dict) -> str:
+    """``python -m qwen3_research --cfg job ...`` (CFG_JOB) as printed; asserts it exits 0."""
+    proc = subprocess.run([python, "-m", "qwen3_research", *CFG_JOB], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_conf_is_at_the_root_with_each_group():
+    """``ls conf``: the config groups sit at the repository root (the schema stays in qwen3_research/config.py),
+    each a folder holding YAML options; the package holds no second copy, and the checkout composes from it."""
+    from qwen3_research.compose import CONF_DIR
+
+    listing = sorted(p.name for p in CONF.iterdir())
+    options = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in CONF_GROUPS if (CONF / g).is_dir()}
+    print(f"\nls conf: {' '.join(listing)}\n" + "\n".join(f"  {g}: {', '.join(o)}" for g, o in options.items())
+          + f"\nCONF_DIR={CONF_DIR}")
+    assert (CONF / "config.yaml").is_file() and not (PKG / "conf").exists()
+    assert [g for g in CONF_GROUPS if not options.get(g)] == []
+    assert Path(CONF_DIR) == CONF
+
+
 # -- pip install -e . --no-deps on Python 3.12 and 3.13 -----------------------------------------
 PYTHONS = {"3.12": "/root/.pyenv/versions/3.12.1/bin/python3.12", "3.13": "/root/.pyenv/versions/3.13.0/bin/python3.13"}
 
@@ -276,11 +317,7 @@ def test_editable_install_without_deps(version, tmp_path):
     python = next((c for c in candidates if subprocess.run([c, "-c", ""], capture_output=True).returncode == 0), None)
     if python is None:
         pytest.skip(f"no working python{version} on this machine (tried {candidates})")
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(PKG, src / "qwen3_research", ignore=shutil.ignore_patterns("__pycache__"))
+    src = copy_project(tmp_path / "src")
     venv = tmp_path / "venv"
     subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=120)
     proc = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-e", str(src), "--no-deps"],
@@ -305,12 +342,8 @@ def test_non_editable_install_runs_the_cli(tmp_path):
     composes the shipped configs (compose.CONF_DIR inside the installed package) and trains."""
     from tests.conftest import cli_env
 
-    src, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
-    src.mkdir()
+    src, target, elsewhere = copy_project(tmp_path / "src"), tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(PKG, src / "qwen3_research", ignore=shutil.ignore_patterns("__pycache__"))
     # An isolated build (setuptools>=68 as pyproject.toml asks, like the editable test above) into a target dir
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                            str(src)], capture_output=True, text=True, timeout=600)
@@ -328,6 +361,44 @@ def test_non_editable_install_runs_the_cli(tmp_path):
           f"run: exit {run.returncode}, {(run.stdout.strip().splitlines() or [''])[-1][:100]}")
     assert where.returncode == 0 and where.stdout.strip() == str(target / "qwen3_research" / "conf"), where.stderr
     assert "qwen3_research/conf/config.yaml" in shipped and len(shipped) >= 30
+    # The same config as the checkout: the installed copy run outside it, the checkout run in it
+    installed, checkout = cfg_job(sys.executable, elsewhere, env), cfg_job(sys.executable, ROOT, cli_env(PYTHONPATH=str(ROOT)))
+    print(f"--cfg job {' '.join(CFG_JOB[2:])}: installed {len(installed.splitlines())} lines, checkout "
+          f"{len(checkout.splitlines())} lines, equal: {installed == checkout}")
+    assert installed == checkout and "moe" in installed
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 2
+
+
+@pytest.mark.slow
+def test_editable_install_composes_the_checkouts_config(tmp_path):
+    """``pip install -e . --no-deps`` into a fresh venv of the project's Python, with the project's
+    dependencies reached through a .pth file (not its editable install of this checkout): setuptools maps
+    conf/ to qwen3_research.conf, the package is imported from the copied project, CONF_DIR is that copy's conf/,
+    and ``--cfg job`` run outside any checkout prints what the checkout prints."""
+    import sysconfig
+
+    from tests.conftest import cli_env
+
+    src, venv, elsewhere = copy_project(tmp_path / "src"), tmp_path / "venv", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # torch, hydra, ... (no .pth run)
+    proc = subprocess.run([python, "-m", "pip", "install", "-q", "-e", str(src), "--no-deps"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {k: v for k, v in cli_env().items() if k != "PYTHONPATH"}  # the venv's own finding
+    where = subprocess.run([python, "-c", "import qwen3_research.compose as c; print(c.__file__, c.CONF_DIR)"],
+                           capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env)
+    installed, checkout = cfg_job(python, elsewhere, env), cfg_job(sys.executable, ROOT, cli_env(PYTHONPATH=str(ROOT)))
+    print(f"\neditable: compose, CONF_DIR = {where.stdout.strip()}; --cfg job {' '.join(CFG_JOB[2:])} equal to the "
+          f"checkout's: {installed == checkout}")
+    assert where.returncode == 0, where.stderr[-2000:]
+    module, conf_dir = where.stdout.split()
+    assert module == str(src / "qwen3_research" / "compose.py") and conf_dir == str(src / "conf")
+    assert installed == checkout and "moe" in installed
