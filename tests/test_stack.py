@@ -89,7 +89,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
                     "qwen3_research.neuron_host", "qwen3_research.routing", "qwen3_research.token_stream",
                     "qwen3_research.compiling"]),
-    ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.device",
+    ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.devices", "qwen3_research.devices.*",
+                  "qwen3_research.device",
                   "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
                   "qwen3_research.allocator"]),
     ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors", "qwen3_research.host"]),
@@ -402,3 +403,437 @@ def test_editable_install_composes_the_checkouts_config(tmp_path):
     module, conf_dir = where.stdout.split()
     assert module == str(src / "qwen3_research" / "compose.py") and conf_dir == str(src / "conf")
     assert installed == checkout and "moe" in installed
+
+
+# -- issue 32 (acceptance b): device strings, the planner's patches, deferred imports, folder cycles, the light set --
+DEVICE_KINDS = ("cpu", "cuda", "neuron")
+
+
+def in_devices_or_titan(name: str) -> bool:
+    """Where a device string may be compared: the device specs (qwen3_research.devices.*) and the torchtitan adapter."""
+    return any(name == pkg or name.startswith(pkg + ".") for pkg in ("qwen3_research.devices", "qwen3_research.titan"))
+
+
+def _device_string(node: ast.AST) -> str | None:
+    """The device kind a constant names ("cuda", "cuda:0"), also inside a tuple / list / set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        kind = node.value.split(":", 1)[0]
+        return kind if kind in DEVICE_KINDS and (node.value == kind or node.value[len(kind) + 1:].isdigit()) else None
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return next((k for k in map(_device_string, node.elts) if k), None)
+    return None
+
+
+def device_comparisons(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of every comparison with a device string: ``x == "cuda"``, ``x != "cpu"``, ``x in ("cuda",
+    "neuron")``, ``x.startswith("cuda")`` / ``endswith``, and ``case "neuron":`` in a ``match``."""
+    source = path.read_text()
+    tree = ast.parse(source, filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(map(_device_string, [node.left, *node.comparators]))
+        elif isinstance(node, ast.Call):
+            hit = (isinstance(node.func, ast.Attribute) and node.func.attr in ("startswith", "endswith")
+                   and any(map(_device_string, node.args)))
+        elif isinstance(node, ast.MatchValue):
+            hit = bool(_device_string(node.value))
+        else:
+            continue
+        if hit:
+            out.append((node.lineno, (ast.get_source_segment(source, node) or "").splitlines()[0][:80]))
+    return out
+
+
+def device_comparisons_outside_devices(files: dict[str, Path]) -> dict[str, list[tuple[int, str]]]:
+    """Module -> its device-string comparisons, for every module outside devices/ and titan/ that has one."""
+    found = {name: device_comparisons(p) for name, p in files.items() if not in_devices_or_titan(name)}
+    return {name: hits for name, hits in found.items() if hits}
+
+
+def test_no_device_string_comparisons_outside_devices():
+    """No ``== "cpu"`` / ``!= "neuron"`` / ``in ("cuda", ...)`` / ``.startswith("cuda")`` / ``case "cuda":``
+    outside qwen3_research/devices/ and qwen3_research/titan/: a device's facts are its spec's (issue 32)."""
+    mods = our_modules()
+    found = device_comparisons_outside_devices(mods)
+    inside = sum(len(device_comparisons(p)) for name, p in mods.items() if in_devices_or_titan(name))
+    total = sum(map(len, found.values()))
+    print(f"\ndevice-string comparisons outside devices/ and titan/: {total} in {len(found)} modules "
+          f"(inside them: {inside})")
+    for name, hits in sorted(found.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {name}: {len(hits)}  " + "; ".join(f"{line}: {src}" for line, src in hits[:4])
+              + (" ..." if len(hits) > 4 else ""))
+    assert total == 0
+
+
+# The planner builds the Trainer's parts with an injected trace device, mesh and gather; it patches nothing but,
+# if unavoidable, this one named DTensor propagation seam (the owner class and its attribute).
+PLANNER_MODULES = ("qwen3_research.planner", "qwen3_research.fit")
+ALLOWED_PLANNER_PATCH = ("ShardingPropagator", "_propagate_tensor_meta_non_cached")
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _dotted(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def planner_patches(path: Path) -> list[str]:
+    """'line: what' for every patch of another module's or class's state in ``path``:
+
+    - ``setattr(owner, ...)`` where ``owner`` is an imported name (a module, or a class or function imported
+      from one), a class this module defines, or a loop variable (``for owner, name, value in patches``: which
+      object it is is decided at run time, so it counts);
+    - an assignment (``=``, ``+=``, annotated) or ``del`` of an attribute of an imported name
+      (``torch.x.y = ...``, ``dist.all_gather_object = ...``, ``DeviceMesh.__init__ = ...``);
+    - ``mock.patch`` / ``patch.object`` calls.
+
+    ``ALLOWED_PLANNER_PATCH`` (one class and attribute, named) is not reported."""
+    source = path.read_text()
+    tree = ast.parse(source, filename=str(path))
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {a.asname or a.name for a in node.names}
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    loop_vars = {n.id for node in ast.walk(tree) if isinstance(node, (ast.For, ast.comprehension))
+                 for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    owners = imported | classes
+
+    def allowed(owner: ast.AST, attr: str | None) -> bool:
+        return (attr == ALLOWED_PLANNER_PATCH[1]
+                and (_dotted(owner) == ALLOWED_PLANNER_PATCH[0] or _dotted(owner).endswith("." + ALLOWED_PLANNER_PATCH[0])))
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = _dotted(node.func)
+            if fn == "setattr" and node.args:
+                owner = node.args[0]
+                attr = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+                root = _root_name(owner)
+                if (root in owners or root in loop_vars) and not allowed(owner, attr):
+                    out.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+            elif fn in ("patch", "patch.object", "mock.patch", "mock.patch.object", "unittest.mock.patch",
+                        "unittest.mock.patch.object", "monkeypatch.setattr"):
+                owner = node.args[0] if node.args else None
+                attr = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+                if owner is None or not allowed(owner, attr):
+                    out.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for t in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]):
+                if isinstance(t, ast.Attribute) and _root_name(t) in imported and not allowed(t.value, t.attr):
+                    out.append(f"{t.lineno}: {_dotted(t)} = ... (an attribute of the imported {_root_name(t)})")
+    return sorted(set(out), key=lambda s: int(s.split(":")[0]))
+
+
+def test_the_planner_patches_nothing():
+    """planner.py and fit.py: no ``setattr`` on a module or class, no assignment to another module's (or an
+    imported class's) attribute, no mock.patch; at most the one named DTensor propagation patch
+    (``ALLOWED_PLANNER_PATCH``)."""
+    mods = our_modules()
+    found = {name: planner_patches(mods[name]) for name in PLANNER_MODULES if name in mods}
+    env_writes = {name: [f"{n.lineno}" for n in ast.walk(ast.parse(mods[name].read_text()))
+                         if isinstance(n, (ast.Assign, ast.AugAssign)) and "os.environ[" in ast.unparse(n).split("=")[0]]
+                  for name in found}
+    print(f"\nplanner patches (allowed: {'.'.join(ALLOWED_PLANNER_PATCH)}): "
+          f"{sum(map(len, found.values()))}; os.environ writes (lines, reported only): {env_writes}")
+    for name, hits in found.items():
+        print(f"  {name}: {len(hits)}" + "".join(f"\n    {h}" for h in hits))
+    assert found and all(hits == [] for hits in found.values())
+
+
+# Third-party packages whose import is what start-up avoids (and the platform-only ones: they may be absent).
+HEAVY_ROOTS = ("torch", "torchtitan", "transformers", "datasets", "wandb", "safetensors",
+               "torch_neuronx", "neuronxcc", "nki", "torch_xla")
+DEFERRED_MAX = 0.15  # of the package's imports of its own modules
+DEFERRED_TAG = re.compile(r"#\s*deferred:\s*(\S.*)$")
+NOT_A_REASON = re.compile(r"\b(cycle|circular)", re.I)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and _dotted(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _top_nodes(tree: ast.Module) -> set[int]:
+    """ids of the module-level statements, those under a module-level if/try included (not ``if TYPE_CHECKING``)."""
+    top = set(map(id, tree.body))
+    for node in tree.body:
+        if isinstance(node, (ast.If, ast.Try)) and not _is_type_checking(node):
+            top |= {id(n) for n in ast.walk(node)}
+    return top
+
+
+def _targets(node: ast.AST, me: str, is_pkg: bool, files: dict[str, Path], *, parents: bool = False) -> list[str]:
+    """The modules an import statement names: ours (resolved as ``edges`` does; ``parents``: with the packages
+    importing them runs first) and the top-level names of other packages."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            package = me.split(".") if is_pkg else me.split(".")[:-1]
+            mod = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        names = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in files else mod for a in node.names]  # as ``edges``
+    out = []
+    for n in names:
+        parts = n.split(".")
+        if parts[0] == "qwen3_research":
+            out += [".".join(parts[:i]) for i in range(1 if parents else len(parts), len(parts) + 1)
+                    if ".".join(parts[:i]) in files]
+        else:
+            out.append(parts[0])
+    return out
+
+
+def own_imports(files: dict[str, Path]) -> list[dict]:
+    """Every import statement of one of the package's own modules: importer, line, deferred (inside a function or
+    class body, not at module level), its targets, and the ``# deferred: <reason>`` on its lines or the line above."""
+    out = []
+    for name, p in files.items():
+        source = p.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source, filename=str(p))
+        top = _top_nodes(tree)
+        type_only = {id(n) for node in ast.walk(tree) if _is_type_checking(node) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in type_only:
+                continue
+            own = (isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "qwen3_research")) \
+                or (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "qwen3_research" for a in node.names))
+            if not own:
+                continue
+            span = lines[max(0, node.lineno - 2): node.end_lineno]
+            reason = next((m.group(1).strip() for ln in span if (m := DEFERRED_TAG.search(ln))), None)
+            targets = list(dict.fromkeys(t for t in _targets(node, name, p.name == "__init__.py", files)
+                                         if t in files and t != name))
+            out.append({"importer": name, "line": node.lineno, "deferred": id(node) not in top, "reason": reason,
+                        "targets": targets})
+    return sorted(out, key=lambda i: (i["importer"], i["line"]))
+
+
+def module_level_closure(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> every module (ours) and heavy third-party root its import loads at module level, transitively
+    (importing a.b.c runs a and a.b first)."""
+    direct: dict[str, set[str]] = {}
+    for name, p in files.items():
+        tree = ast.parse(p.read_text(), filename=str(p))
+        top = _top_nodes(tree)
+        deps = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # parent packages
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) in top:
+                deps |= set(_targets(node, name, p.name == "__init__.py", files, parents=True))
+        direct[name] = {d for d in deps if d != name and (d in files or d in HEAVY_ROOTS)}
+    closure: dict[str, set[str]] = {}
+    for name in files:
+        seen, todo = set(), [name]
+        while todo:
+            for d in direct.get(todo.pop(), ()):
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        closure[name] = seen
+    return closure
+
+
+def heavy_roots(closure: dict[str, set[str]], module: str) -> set[str]:
+    return {m for m in closure.get(module, set()) | {module} if m in HEAVY_ROOTS}
+
+
+def deferred_import_problems(files: dict[str, Path]) -> tuple[list[dict], list[str]]:
+    """(every own-module import, problems): a deferred import without a ``# deferred: <reason>`` (or whose reason is
+    a cycle), and one whose target is no heavier than its importer (its module-level closure reaches no heavy
+    third-party root that the importer's does not: deferring it saves nothing)."""
+    found, closure = own_imports(files), module_level_closure(files)
+    problems = []
+    for imp in found:
+        if not imp["deferred"]:
+            continue
+        where = f"{imp['importer']}:{imp['line']}"
+        if not imp["reason"]:
+            problems.append(f"{where} imports {', '.join(imp['targets'])} inside a function with no '# deferred: <reason>'")
+        elif NOT_A_REASON.search(imp["reason"]):
+            problems.append(f"{where} defers {', '.join(imp['targets'])} for '{imp['reason']}', which is not a reason "
+                            "(fix the cycle)")
+        mine = heavy_roots(closure, imp["importer"])
+        gains = {t: sorted(heavy_roots(closure, t) - mine) for t in imp["targets"]}
+        if not any(gains.values()):
+            problems.append(f"{where} defers {', '.join(imp['targets'])}, no heavier than {imp['importer']} "
+                            f"(heavy roots it loads: {sorted(mine) or 'none'})")
+    return found, problems
+
+
+def test_imports_are_at_the_top():
+    """The package's imports of its own modules: at most DEFERRED_MAX inside functions, each with a
+    ``# deferred: <reason>`` on its line or the line above, and each deferring a module heavier than its importer."""
+    found, problems = deferred_import_problems(our_modules())
+    deferred = [i for i in found if i["deferred"]]
+    share = len(deferred) / max(1, len(found))
+    per_module: dict[str, int] = {}
+    for i in deferred:
+        per_module[i["importer"]] = per_module.get(i["importer"], 0) + 1
+    top = sorted(per_module.items(), key=lambda kv: -kv[1])[:12]
+    print(f"\nown-module imports: {len(found)}, deferred: {len(deferred)} ({share:.0%}; max {DEFERRED_MAX:.0%}), "
+          f"with a reason: {sum(bool(i['reason']) for i in deferred)}; problems: {len(problems)} "
+          f"({sum('no heavier' in p for p in problems)} deferring a module no heavier than the importer)")
+    print("  most deferred: " + ", ".join(f"{m.removeprefix('qwen3_research.')} {n}" for m, n in top))
+    for line in problems[:80]:
+        print(f"  {line}")
+    if len(problems) > 80:
+        print(f"  ... and {len(problems) - 80} more")
+    assert len(found) > 50  # the scan sees the package's imports
+    assert share <= DEFERRED_MAX and problems == []
+
+
+def folder_of(module: str) -> str:
+    """A module's folder taken as one unit: qwen3_research.models.native.x -> qwen3_research.models (a sub-package,
+    nested ones included, is its top folder); a top-level module (and the package itself) stays itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """The import graph (function-level imports counted) with each module collapsed to its folder; imports
+    within one folder are not edges."""
+    graph: dict[str, set[str]] = {}
+    for m, targets in import_graph(files).items():
+        src = folder_of(m)
+        graph.setdefault(src, set())
+        graph[src] |= {folder_of(t) for t in targets if folder_of(t) != src}
+    return graph
+
+
+def test_no_cycles_between_folders():
+    """A folder (a sub-package: models/, kernels/, titan/, ...) taken as one unit, and the top-level modules: no
+    import cycle among them, function-level imports counted."""
+    mods = our_modules()
+    graph = folder_graph(mods)
+    cycles = find_cycles(graph)
+    folders = sorted({folder_of(m) for m, p in mods.items() if p.name == "__init__.py" and m != "qwen3_research"})
+    print(f"\n{len(graph)} units ({len(folders)} folders: {', '.join(f.removeprefix('qwen3_research.') for f in folders)}), "
+          f"{sum(map(len, graph.values()))} edges; cycles: {len(cycles)}" + "".join(f"\n  {c}" for c in cycles))
+    assert len(folders) >= 4 and cycles == []
+
+
+LIGHT_SET = ("qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor", "qwen3_research.export",
+             "qwen3_research.compare", "qwen3_research.verify_kernels", "qwen3_research.compose", "qwen3_research.config")
+NOT_AT_START = ("torch", "torchtitan", "transformers")
+
+
+def heavy_modules_after_import(module: str, env: dict) -> list[str]:
+    """Which of NOT_AT_START are in sys.modules after importing ``module`` alone in a fresh process."""
+    code = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+            f"print(json.dumps(sorted(m for m in {NOT_AT_START!r} if m in sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def traced_imports(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, list[str], int]:
+    """Run ``cmd`` with PYTHONPROFILEIMPORTTIME=1 (``-X importtime``, inherited by every process it starts, the
+    allocator's re-exec included): (the process, every module imported, how many processes were traced)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**env, "PYTHONPROFILEIMPORTTIME": "1"})
+    lines = proc.stderr.splitlines()
+    traced = [ln.rsplit("|", 1)[-1].strip() for ln in lines if ln.startswith("import time:") and "self [us]" not in ln]
+    return proc, traced, sum("self [us]" in ln for ln in lines if ln.startswith("import time:"))
+
+
+def test_the_light_set_loads_no_torch():
+    """Each entry point and what a config error needs, imported alone in a fresh process: torch, torchtitan and
+    transformers are not in sys.modules. And a config error (``training.stepz=1``) exits 2 with one line without
+    importing torch (every module each of its processes imports is traced)."""
+    from tests.conftest import cli_env
+
+    env = cli_env(PYTHONPATH=str(ROOT))
+    loaded = {module: heavy_modules_after_import(module, env) for module in LIGHT_SET}
+    proc, traced, processes = traced_imports([sys.executable, "-m", "qwen3_research", "training.stepz=1"], env)
+    heavy = sorted({m for m in traced if m.split(".")[0] in NOT_AT_START})
+    message = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:") and ln.strip()]
+    print("\n" + "\n".join(f"  import {m}: {', '.join(v) or 'no torch/torchtitan/transformers'}" for m, v in loaded.items()))
+    print(f"training.stepz=1: exit {proc.returncode}, {len(traced)} imports traced in {processes} process(es), "
+          f"torch/torchtitan/transformers among them: {heavy or 'none'}; {message[:1]}")
+    assert "qwen3_research.config" in traced and "omegaconf" in traced  # the trace covers the process that composed
+    assert {m: v for m, v in loaded.items() if v} == {}
+    assert proc.returncode == 2 and len(message) == 1 and message[0].startswith("config error: training.stepz")
+    assert heavy == []
+
+
+def test_the_issue32_scans_can_fail(tmp_path):
+    """Planted inputs: each scan of acceptance b (device strings, planner patches, deferred imports, folder cycles)
+    and the light-set probes report what they are meant to, and pass what they are meant to pass."""
+    from tests.conftest import cli_env
+
+    # 1. device strings: flagged outside devices/ and titan/, not inside; "cudart" is no device
+    dev = tmp_path / "dev.py"
+    dev.write_text('def f(x, d, s, k):\n    a = x == "cuda"\n    b = d in ("cpu", "neuron")\n    c = s.startswith("cuda")\n'
+                   '    e = x != "cudart" and d == "cuda:0"\n    match k:\n        case "neuron":\n            pass\n')
+    assert [line for line, _ in device_comparisons(dev)] == [2, 3, 4, 5, 7]
+    assert list(device_comparisons_outside_devices({"qwen3_research.trainer": dev, "qwen3_research.devices.cuda": dev,
+                                                    "qwen3_research.titan.v03": dev})) == ["qwen3_research.trainer"]
+    # 2. the planner: a patch loop, an assignment to a module's attribute, a setattr on a class, mock.patch; the one
+    # named DTensor seam and a local object's attributes are not patches
+    planner = tmp_path / "planner.py"
+    planner.write_text(
+        "import os\nimport torch.distributed as dist\nfrom unittest import mock\n"
+        "from torch.distributed.device_mesh import DeviceMesh\n"
+        "from torch.distributed.tensor._sharding_prop import ShardingPropagator\n\n"
+        "class Local:\n    pass\n\n"
+        "def f(patches, g):\n"
+        "    for owner, name, value in patches:\n        setattr(owner, name, value)\n"  # 12
+        "    dist.all_gather_object = g\n"  # 13
+        "    setattr(DeviceMesh, '__init__', g)\n"  # 14
+        "    mock.patch.object(dist, 'get_rank', g)\n"  # 15
+        "    ShardingPropagator._propagate_tensor_meta_non_cached = g\n"
+        "    setattr(ShardingPropagator, '_propagate_tensor_meta_non_cached', g)\n"
+        "    obj = Local()\n    setattr(obj, 'a', 1)\n    obj.b = 2\n    os.environ['RANK'] = '0'\n"
+        "    Local.c = 3\n")  # 22: a class of this module, not another module's
+    assert [int(h.split(":")[0]) for h in planner_patches(planner)] == [12, 13, 14, 15]
+    # 3. deferred imports: no reason, a cycle as the reason, a target no heavier than its importer; a reasoned
+    # deferral of a heavy module passes, its reason on the line above counts too
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "light.py").write_text("import json\n")
+    (pkg / "heavy.py").write_text("from qwen3_research import light\nimport torch\n")
+    (pkg / "entry.py").write_text(
+        "from qwen3_research import light\n\n"
+        "def ok():\n    from qwen3_research import heavy  # deferred: start-up (heavy loads torch)\n\n"  # 4
+        "def ok_above():\n    # deferred: start-up\n    import qwen3_research.heavy\n\n"  # 8
+        "def bare():\n    from qwen3_research.heavy import x\n\n"  # 11
+        "def cycle():\n    from qwen3_research import heavy  # deferred: avoid a cycle\n\n"  # 14
+        "def pointless():\n    from qwen3_research.light import y  # deferred: start-up\n")  # 17
+    files = {f"qwen3_research.{p.stem}": p for p in sorted(pkg.glob("*.py"))}
+    found, problems = deferred_import_problems(files)
+    assert [(i["importer"].split(".")[-1], i["line"], i["deferred"]) for i in found] == [
+        ("entry", 1, False), ("entry", 4, True), ("entry", 8, True), ("entry", 11, True), ("entry", 14, True),
+        ("entry", 17, True), ("heavy", 1, False)]
+    assert [p.split(" ", 1)[0] for p in problems] == ["qwen3_research.entry:11", "qwen3_research.entry:14",
+                                                      "qwen3_research.entry:17"]
+    assert "no '# deferred" in problems[0] and "not a reason" in problems[1] and "no heavier" in problems[2]
+    assert heavy_roots(module_level_closure(files), "qwen3_research.entry") == set()
+    # 4. folders: a.x -> b.y at module level, b.y -> a.z inside a function: no cycle between modules, one between
+    # the folders a and b
+    for rel, text in {"a/__init__.py": "", "a/x.py": "from qwen3_research.b import y\n", "a/z.py": "",
+                      "b/__init__.py": "", "b/y.py": "def f():\n    from qwen3_research.a import z\n"}.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    files = {"qwen3_research.a": tmp_path / "a/__init__.py", "qwen3_research.a.x": tmp_path / "a/x.py",
+             "qwen3_research.a.z": tmp_path / "a/z.py", "qwen3_research.b": tmp_path / "b/__init__.py",
+             "qwen3_research.b.y": tmp_path / "b/y.py"}
+    assert find_cycles(import_graph(files)) == []
+    assert find_cycles(folder_graph(files)) == ["qwen3_research.a -> qwen3_research.b -> qwen3_research.a"]
+    # 5. the light-set probes see torch when a module loads it
+    (tmp_path / "planted_heavy.py").write_text("import torch\n")
+    env = cli_env(PYTHONPATH=f"{tmp_path}:{ROOT}")
+    assert heavy_modules_after_import("planted_heavy", env) == ["torch"]
+    proc, traced, processes = traced_imports([sys.executable, "-c", "import planted_heavy"], env)
+    assert proc.returncode == 0 and processes == 1 and "planted_heavy" in traced and "torch" in traced
