@@ -1,8 +1,10 @@
 """The package as a package: the import graph (the layers below, top to bottom: no module imports a higher
 layer, no cycle, function-level imports counted; only the torchtitan adapter, qwen3_research.titan.*, imports
 torchtitan), ARCHITECTURE.md lists every module in its layer, the adapter's two API modules, ``pip install -e .
---no-deps`` on the Pythons torch-neuronx 2.14 supports (3.12, 3.13), and a non-editable install that runs the
-CLI."""
+--no-deps`` on the Pythons torch-neuronx 2.14 supports (3.12, 3.13), conf/ at the repository root composing the
+same config from a checkout, an editable and a non-editable install, and issue 32's scans: no device-string
+comparison outside devices/ and titan/, a planner that patches nothing, imports at the top (deferred ones rare,
+reasoned and heavier than their importer), no cycle between folders, a light set without torch."""
 
 from __future__ import annotations
 
