@@ -258,10 +258,10 @@ GROUP_SCHEMAS = {
 }
 
 
-def default_flavor(init_from) -> str:
-    """The Hydra default of ``model.flavor`` for the native backends: ``from_hf`` (the checkpoint's
-    architecture) when ``model.init_from`` is set, else the schema's default (tiny)."""
-    return "from_hf" if init_from else ModelConfig.flavor
+def default_flavor(init_from, default: str = ModelConfig.flavor) -> str:
+    """The Hydra default of ``model.flavor`` for the native backend's options: ``from_hf`` (the checkpoint's
+    architecture) when ``model.init_from`` is set, else ``default`` (the schema's tiny; native_moe's tiny_moe)."""
+    return "from_hf" if init_from else default
 
 
 def register_configs() -> None:

@@ -258,10 +258,10 @@ def _balance_for_export(cfg: dict) -> dict:
     if not ck.get("export_hf") or moe.get("balance", "auto") != "auto" or not model.get("backend"):
         return cfg
     try:
-        spec = registry.get(model["backend"], model.get("module"))
+        modes = registry.balance_modes(model)
     except ConfigError:
         return cfg  # an unknown backend: validation names it
-    if spec.balance_modes[:1] != ("bias",):
+    if modes[:1] != ("bias",):  # the model's own (native: a dense flavor has none)
         return cfg
     return {**cfg, "model": {**model, "moe": {**moe, "balance": "aux_loss"}}}
 

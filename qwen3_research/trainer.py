@@ -463,7 +463,7 @@ class Trainer:
 
     def export_hf(self) -> dict | None:
         """The trained model -> ``<run dir>/hf``, verified (collective)."""
-        from qwen3_research.hf_interop.export import compute_dtype, export_trained, held_out_inputs
+        from qwen3_research.run.export_hf import compute_dtype, export_trained, held_out_inputs
 
         return export_trained(self.backend, self.run_dir / "hf", inputs=held_out_inputs(self.data),
                               device=self.device.torch_device, tokenizer=self.tokenizer,

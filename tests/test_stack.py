@@ -86,7 +86,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("recipe", ["qwen3_research.trainer", "qwen3_research.planner", "qwen3_research.fit"]),
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
     ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
-                    "qwen3_research.kernels.*", "qwen3_research.hf_interop", "qwen3_research.hf_interop.*",
+                    "qwen3_research.kernels.*",
                     "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.optim",
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
                     "qwen3_research.neuron_host", "qwen3_research.routing", "qwen3_research.token_stream",

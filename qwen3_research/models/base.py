@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from qwen3_research import titan
+from qwen3_research.errors import ExportError
+
 if TYPE_CHECKING:  # annotations only: a backend's spec module may subclass this without importing torch
     import torch
     import torch.nn as nn
@@ -39,9 +42,14 @@ class ModelBackend:
 
     def finalize_single(self, tt) -> None:
         """Single-process path (no sharding): activation checkpointing if asked."""
-        from qwen3_research import titan
-
         titan.apply_activation_checkpointing(self.model, tt)
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer, parallel_dims) -> None:
         """Optional: hooks a backend needs on the optimizer (MoE load balancing)."""
+
+    def export_hf(self, out_dir, *, tokenizer_json, eos_id, inputs, reference_logits, compute_dtype,
+                  max_shard_size="5GB") -> dict | None:
+        """Optional: this model -> a verified Hugging Face directory ``out_dir`` (collective under a sharded model;
+        rank 0's report, None on the other ranks). ``reference_logits``: the trained model's on ``inputs``, computed
+        in ``compute_dtype`` (``run/export_hf.py``); ``tokenizer_json``/``eos_id``: the run's tokenizer, copied."""
+        raise ExportError(f"{type(self).__name__} has no Hugging Face export; use checkpoint.export_hf=false")

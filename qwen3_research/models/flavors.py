@@ -2,6 +2,10 @@
 
 Our small sizes keep the real Qwen3 vocabulary (151,936 rows, as the released checkpoints)
 so the real tokenizer works unchanged; the named sizes are torchtitan's own configs.
+
+``model=native`` takes every flavor of ``FLAVORS``: the dense ones (``DENSE``) and the mixtures of experts
+(``MOE``), one name space as torchtitan's Qwen3 has one (names unique across both: the small MoE sizes are
+``tiny_moe`` and ``debug_moe``). ``model=native_moe`` is a preset of it that picks ``tiny_moe``.
 """
 
 from dataclasses import dataclass
@@ -41,10 +45,10 @@ DENSE = {
 }
 
 MOE = {
-    "tiny": Flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
-                   num_experts=8, top_k=2, tie_embeddings=False),
-    "debug": Flavor(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=128,
-                    num_experts=64, top_k=8, tie_embeddings=False),
+    "tiny_moe": Flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
+                       num_experts=8, top_k=2, tie_embeddings=False),
+    "debug_moe": Flavor(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=128,
+                        num_experts=64, top_k=8, tie_embeddings=False),
     # The smallest MoE the NKI Library MoE kernels take (kernels=nki_moe on one Trainium rank): hidden 1024
     # (moe_cte: 512..8192, a multiple of 512; H/LNC=512 a multiple of 32 for blockwise_mm_bwd), expert width
     # 512 (I % 16 == 0, I/LNC = 256 a multiple of 32), 8 experts (E % LNC == 0; inside moe_cte's documented
@@ -57,6 +61,14 @@ MOE = {
                         max_seq_len=40960, tie_embeddings=False, torchtitan_name="235B-A22B"),
 }
 
+# model=native's flavors: the whole Qwen3 family in one name space.
+FLAVORS = {**DENSE, **MOE}
+assert len(FLAVORS) == len(DENSE) + len(MOE), "a flavor name is both dense and MoE"
+
+# The backend name and flavor names the MoE models had before model=native took them (model.backend=native_moe,
+# a separate backend until issue 32): old checkpoints, plans and run directories name them; ``registry.canonical``
+# reads them as model=native and these flavors ("auto" without model.init_from was native_moe's default, tiny).
+NATIVE_MOE_RENAMES = {"tiny": "tiny_moe", "debug": "debug_moe", "auto": "tiny_moe"}
 
 # model.flavor=auto without model.init_from (with it: the checkpoint's architecture, ``from_hf``).
 DEFAULT_FLAVOR = "tiny"

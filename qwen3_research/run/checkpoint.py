@@ -1,4 +1,5 @@
-"""Distributed checkpoints (save, keep, resume). Hugging Face import/export: ``qwen3_research.hf_interop``.
+"""Distributed checkpoints (save, keep, resume). Hugging Face import/export: each backend's own folder
+(``models/native/``: ``hf_load``, ``hf_export``, ``init_from``), the export command's work ``run/export_hf.py``.
 
 A checkpoint is one directory ``<run dir>/<checkpoint.dir>/step-00000010/`` written by
 torch.distributed.checkpoint (DCP: the run's ``train_state.TrainState`` -- model, optimizer,
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from qwen3_research import models
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, write_failure
@@ -492,13 +494,15 @@ def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> Non
 
 
 def preflight(rc: RunConfig, run_dir: Path) -> None:
-    """Cheap checks in the launching process (before workers start): resume target and init_from config."""
+    """Cheap checks in the launching process (before workers start): resume target, and model.init_from as its
+    backend's spec checks it (``models.check_init_from``)."""
     ck = rc.checkpoint
     if ck.resume:
         found = find_checkpoint(ck.resume, checkpoint_root(ck, run_dir))
         if found is not None:
-            saved = read_meta(found).get("model", {})
-            differ = [f"{k}={saved.get(k)!r}" for k in ("backend", "flavor", "path") if saved.get(k) != getattr(rc.model, k)]
+            saved = models.canonical(read_meta(found).get("model", {}))  # model=native_moe's names as today's
+            now = models.canonical(rc.model)
+            differ = [f"{k}={saved.get(k)!r}" for k in ("backend", "flavor", "path") if saved.get(k) != getattr(now, k)]
             if differ:
                 raise ConfigError(
                     f"checkpoint.resume={ck.resume}: {found} holds another model shape (saved with model "
@@ -506,7 +510,4 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                 )
             _same_base_model(ck.resume, found, saved.get("init_from"), rc.model.init_from)
             _same_objective(ck.resume, found, read_meta(found).get("config") or {}, rc)
-    if rc.model.init_from:  # only a backend that takes it has one (models.check)
-        from qwen3_research.hf_interop.preflight import check_init_from
-
-        check_init_from(rc)
+    models.check_init_from(rc)

@@ -1,8 +1,9 @@
 """``model=hf``: a Hugging Face Transformers causal LM (AutoModelForCausalLM) from ``model.path``, a local
 directory or a Hub id; its architecture, tokenizer and weights are the directory's.
 
-This module is the backend's spec and what validation needs (config.json read as JSON, no torch import);
-the model itself is ``models.hf_model.HFCausalLM``, imported by ``build``.
+This package is the backend: its spec and what validation needs (here: config.json read as JSON, no torch
+import), the model (``model.HFCausalLM``, imported by ``build``) and its export (``export``: gathered to rank 0,
+transformers' ``save_pretrained``, verified by reloading).
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def describe(cfg: ModelConfig) -> dict:
 
 def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
           load_init_from: bool = True):
-    from qwen3_research.models.hf_model import HFCausalLM
+    # deferred: start-up (this spec is read by the config checks, which exit before torch loads; the model loads it)
+    from qwen3_research.models.hf.model import HFCausalLM
 
     return HFCausalLM(cfg, device, seq_len=seq_len, seed=seed)
 
 
 def smoke_overrides(tmp: Path) -> list[str]:
     """doctor --run: a random 2-layer Qwen3 checkpoint written under ``tmp`` for the tiny run."""
-    from qwen3_research.models.hf_model import write_tiny_checkpoint
+    # deferred: start-up (doctor imports this spec before torch loads; writing the checkpoint loads transformers)
+    from qwen3_research.models.hf.model import write_tiny_checkpoint
 
     return [f"model.path={write_tiny_checkpoint(tmp / 'hf_tiny')}"]
 

@@ -1,5 +1,5 @@
 """The nn side of ``model=hf`` (``models.hf``): Hugging Face Transformers' AutoModelForCausalLM from a
-directory or Hub id.
+directory or Hub id, and its export (``models.hf.export``).
 
 FSDP2 over the decoder layers (``model.model.layers``), and tensor parallel for dense
 Qwen3-style blocks (q/k/v/o, gate/up/down projections). fp32 weights; SDPA attention.
@@ -8,6 +8,7 @@ Qwen3-style blocks (q/k/v/o, gate/up/down projections). fp32 weights; SDPA atten
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,8 +16,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from qwen3_research import routing, titan
 from qwen3_research.config import ConfigError, ModelConfig
+from qwen3_research.data import tokenizer_path
+from qwen3_research.models import registry
 from qwen3_research.models.base import ModelBackend
+from qwen3_research.models.hf import export as hf_export
 
 # Module names of a Qwen3 / Llama-style dense decoder layer that tensor parallel shards.
 _TP_DENSE_TYPES = {"qwen3", "qwen2", "llama", "mistral"}
@@ -86,11 +91,8 @@ class HFCausalLM(ModelBackend):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.n_heads
         self.flops_per_token = hf_flops_per_token(self.model, text, self.n_heads, head_dim, seq_len)
         if self.num_experts:  # auto follows the checkpoint: its router_aux_loss_coef (qwen3_research.routing)
-            from qwen3_research import routing
-            from qwen3_research.models import registry
-
             self.balance = routing.resolve_balance(cfg.moe, checkpoint=text.to_dict(), what="model.path",
-                                                   modes=registry.spec(cfg).balance_modes)
+                                                   modes=registry.balance_modes(cfg))
         elif cfg.moe.balance not in ("auto", "none"):
             raise ConfigError(f"model.moe.balance={cfg.moe.balance}: model.path={cfg.path!r} is not a mixture of "
                               "experts; use model.moe.balance=auto")
@@ -155,8 +157,6 @@ class HFCausalLM(ModelBackend):
     def _apply_tp(self, tp_mesh, layers: nn.ModuleList) -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        from qwen3_research import titan
-
         if self.model_type not in _TP_DENSE_TYPES or self.num_experts:
             raise ConfigError(
                 f"parallelism.tp={tp_mesh.size()} with model=hf supports dense Qwen3/Llama-style models, not "
@@ -201,6 +201,12 @@ class HFCausalLM(ModelBackend):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head.weight
 
+    def export_hf(self, out_dir, *, tokenizer_json, eos_id=None, inputs, reference_logits, compute_dtype="float32",
+                  max_shard_size="5GB") -> dict | None:
+        """Gathered to rank 0 and saved by transformers, then verified (float32: this backend's weights are)."""
+        return hf_export.export_hf_backend(self, out_dir, tokenizer_json=tokenizer_json, inputs=inputs,
+                                           reference_logits=reference_logits, max_shard_size=max_shard_size)
+
 
 class _HeadShardedNorm(ParallelStyle):
     """Replicated weight; input and output sharded on dim 2 (attention heads), handed on as local tensors."""
@@ -225,12 +231,7 @@ class _HeadShardedNorm(ParallelStyle):
 # -- doctor --run ----------------------------------------------------------------------------------
 def write_tiny_checkpoint(out: Path) -> Path:
     """A random 2-layer Qwen3 checkpoint (save_pretrained) with the Qwen3 tokenizer files beside it."""
-    import shutil
-
     from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from qwen3_research.data import tokenizer_path
-
     cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                       max_position_embeddings=4096)

@@ -1,10 +1,10 @@
-"""Hugging Face ``config.json`` <-> our architecture (``models.flavors.Flavor``), and cheap checks of a
+"""Hugging Face ``config.json`` <-> model=native's architecture (``models.flavors.Flavor``), and cheap checks of a
 checkpoint directory: no torch import, so the launcher runs them before any worker starts.
 
-- ``architecture_fields(dir, backend)``: the Flavor fields that ``config.json`` describes (transformers 5's
-  ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``); anything torchtitan's Qwen3 cannot
-  express (RoPE scaling, sliding window, attention bias, decoder_sparse_step != 1, mlp_only_layers)
-  is a one-line ConfigError naming the field.
+- ``architecture_fields(dir)``: the Flavor fields that ``config.json`` describes (a Qwen3 or a Qwen3-MoE:
+  ``MODEL_TYPES``; transformers 5's ``rope_parameters`` or 4.x's ``rope_theta``/``rope_scaling``); anything
+  torchtitan's Qwen3 cannot express (RoPE scaling, sliding window, attention bias, decoder_sparse_step != 1,
+  mlp_only_layers) is a one-line ConfigError naming the field.
 - ``check_named_flavor``: an explicit ``model.flavor`` must describe the same architecture.
 - ``check_weights(dir, flavor)``: the safetensors files exist, their headers parse and cover their
   data (truncation), an index names only present files, and every tensor the model needs is there
@@ -20,11 +20,9 @@ import struct
 from pathlib import Path
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.models import registry
 
-# Architectures are ``models.flavors.Flavor`` objects, read by attribute here; this module builds only
-# their fields (``architecture_fields``). Which config.json ``model_type`` a backend reads, and whether it is
-# a MoE, its spec says (``models.registry``: hf_model_type, moe); the registry imports no model code.
+# The config.json model_types model=native reads (init_from) and writes (export): whether each is a mixture of experts.
+MODEL_TYPES = {"qwen3": False, "qwen3_moe": True}
 
 INDEX = "model.safetensors.index.json"
 # Fields an architecture cannot do without (the rest have transformers' Qwen3Config defaults).
@@ -72,24 +70,22 @@ def rope_of(cfg: dict, where: str) -> tuple[float, str]:
     return float(10000.0 if theta is None else theta), rope_type
 
 
-def architecture_fields(hf_dir: str, backend, what: str = "model.init_from") -> dict:
-    return fields_from_config(read_hf_config(hf_dir, what), backend, _where(hf_dir, what))
+def architecture_fields(hf_dir: str, what: str = "model.init_from") -> dict:
+    return fields_from_config(read_hf_config(hf_dir, what), _where(hf_dir, what))
 
 
-def fields_from_config(cfg: dict, backend, where: str) -> dict:
+def fields_from_config(cfg: dict, where: str) -> dict:
     """The Flavor fields a Qwen3 / Qwen3-MoE config.json describes; a one-line error for what we cannot build."""
     if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
         cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 writes num_local_experts
-    spec = registry.get(backend) if isinstance(backend, str) else backend  # a name, or the BackendSpec itself
-    backend, moe = spec.name, spec.moe
-    want = spec.hf_model_type
+    backend = "native"
     got = cfg.get("model_type")
-    if got != want:
+    if got not in MODEL_TYPES:
         arch = ",".join(cfg.get("architectures") or []) or "?"
-        other = next((n for n in registry.in_tree() if registry.get(n).hf_model_type == got), None) if got else None
-        hint = f"use model={other}" if other else "use model=hf model.path=... for other architectures"
+        want = " or ".join(repr(t) for t in MODEL_TYPES)
         raise ConfigError(f"{where}: config.json is model_type={got!r} ({arch}) but model={backend} needs "
-                          f"model_type={want!r}; {hint}")
+                          f"model_type={want}; use model=hf model.path=... for other architectures")
+    moe = MODEL_TYPES[got]
     absent = [k for k in REQUIRED + (("moe_intermediate_size", "num_experts", "num_experts_per_tok")
                                      if moe else ("intermediate_size",)) if cfg.get(k) is None]
     if absent:
@@ -137,10 +133,9 @@ _HF_NAME = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "n
             "tie_embeddings": "tie_word_embeddings", "rms_norm_eps": "rms_norm_eps", "norm_topk_prob": "norm_topk_prob"}
 
 
-def check_named_flavor(name: str, named, arch, where: str, backend) -> None:
-    """An explicit model.flavor must be the architecture config.json describes; name every differing field.
-    ``backend``: its name or its ``BackendSpec``."""
-    moe = (registry.get(backend) if isinstance(backend, str) else backend).moe
+def check_named_flavor(name: str, named, arch, where: str) -> None:
+    """An explicit model.flavor must be the architecture config.json describes; name every differing field."""
+    moe = bool(arch.num_experts)
     differ = []
     for f in _COMPARED:
         a, b = getattr(arch, f), getattr(named, f)

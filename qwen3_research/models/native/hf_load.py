@@ -17,11 +17,15 @@ training.mixed_precision=bf16 then casts them back for compute only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from qwen3_research import titan
 from qwen3_research.errors import ConfigError
 
 
@@ -50,13 +54,6 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
     One ``dcp.load`` per piece (``_chunks``): the peak is this rank's shards plus one layer's
     temporaries. Returns {"tensors": n, "ignored": [stored keys the model does not use]}.
     """
-    import dataclasses
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    from qwen3_research import titan
-
     where = f"model.init_from={hf_dir!r}"
     path = str(Path(os.path.expanduser(hf_dir)))
     top_adapter = titan.state_dict_adapter(model_config)

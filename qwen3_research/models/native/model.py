@@ -1,5 +1,6 @@
-"""The nn side of ``model=native`` / ``native_moe`` (``models.native``): torchtitan's Qwen3 and Qwen3-MoE built
-from a flavor, meta build, seeded init, sharding with torchtitan's plan.
+"""The nn side of ``model=native`` (``models.native``): torchtitan's Qwen3 and Qwen3-MoE built from a flavor,
+meta build, seeded init, sharding with torchtitan's plan, and its Hugging Face load (``hf_load``) and export
+(``hf_export``).
 
 torchtitan is reached through ``qwen3_research.titan``; build only after ``device.prepare_torchtitan``
 (torchtitan reads the device at import).
@@ -10,10 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from qwen3_research import titan
+from qwen3_research import routing, titan
 from qwen3_research.config import ConfigError, ModelConfig
+from qwen3_research.models import registry
 from qwen3_research.models.base import ModelBackend
-from qwen3_research.models.flavors import Flavor
+from qwen3_research.models.flavors import FLAVORS, Flavor
+from qwen3_research.models.native import hf_export
+from qwen3_research.models.native.hf_config import read_hf_config
+from qwen3_research.models.native.hf_load import load_hf_weights
+from qwen3_research.parallel import keep_embeddings_tied_through_tp
 
 # Full-model init before sharding (layout-independent weights) up to this size; larger
 # models are initialized after sharding, as torchtitan does, to fit device memory.
@@ -55,15 +61,14 @@ class NativeQwen3(ModelBackend):
 
     With ``init_from`` the model stays on the meta device until it is sharded (or, single process,
     until ``finalize_single``); ``materialize`` then allocates each rank's shards and reads only those
-    from the safetensors (``hf_interop.load``). No rank ever holds the full model.
+    from the safetensors (``hf_load``). No rank ever holds the full model.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, seq_len: int, seed: int, tt_parallelism=None, *,
                  flavor: Flavor | None = None, flavor_name: str | None = None, init_from: str | None = None):
+        cfg = registry.canonical(cfg)  # an old model=native_moe config: today's flavor name
         if flavor is None:
-            from qwen3_research.models import registry
-
-            flavor = registry.spec(cfg).flavors[cfg.flavor]
+            flavor = FLAVORS[cfg.flavor]
         self.flavor = flavor
         self.flavor_name = flavor_name or cfg.flavor
         if seq_len > self.flavor.max_seq_len:
@@ -84,16 +89,9 @@ class NativeQwen3(ModelBackend):
             self.model_config = titan.qwen3_model_config(self.flavor, cfg.attention, device.type)
         self.is_moe = self.flavor.num_experts > 0
         if self.is_moe:  # the expert bias exists only with balance=bias (torchtitan builds it from the config)
-            from qwen3_research import routing
-            from qwen3_research.models import registry
-
-            checkpoint = None
-            if cfg.init_from:
-                from qwen3_research.hf_interop.config import read_hf_config
-
-                checkpoint = read_hf_config(cfg.init_from)
+            checkpoint = read_hf_config(cfg.init_from) if cfg.init_from else None
             self.balance = routing.resolve_balance(cfg.moe, checkpoint=checkpoint, what="model.init_from",
-                                                   modes=registry.spec(cfg).balance_modes)
+                                                   modes=registry.balance_modes(cfg))
             titan.set_moe_load_balance(self.model_config, self.balance.bias_coef if self.balance.mode == "bias" else None)
         if tt_parallelism is not None:
             titan.apply_parallelism_plans(self.model_config, tt_parallelism)
@@ -117,8 +115,6 @@ class NativeQwen3(ModelBackend):
             return
         self.init_weights()
         if self.init_from:
-            from qwen3_research.hf_interop.load import load_hf_weights
-
             load_hf_weights(self.model, self.model_config, self.init_from)
 
     @property
@@ -154,8 +150,6 @@ class NativeQwen3(ModelBackend):
 
     def parallelize(self, parallel_dims, tt) -> None:
         """Shard with torchtitan's Qwen3 plan; ``tt`` holds torchtitan's config objects."""
-        from qwen3_research.parallel import keep_embeddings_tied_through_tp
-
         keep_embeddings_tied_through_tp(self.model)
         titan.parallelize_qwen3(self.model, parallel_dims, tt)
         self.materialize()
@@ -171,6 +165,12 @@ class NativeQwen3(ModelBackend):
     def attach_router_hooks(self, fn) -> tuple[list, list]:
         return titan.attach_router_hooks(getattr(self.model, "_orig_mod", self.model), fn)
 
+    def export_hf(self, out_dir, *, tokenizer_json, eos_id, inputs, reference_logits, compute_dtype,
+                  max_shard_size="5GB") -> dict | None:
+        """This model (any parallel layout) -> a verified Hugging Face directory, written without gathering."""
+        return hf_export.export_native(self, out_dir, tokenizer_json=tokenizer_json, eos_id=eos_id, inputs=inputs,
+                                       reference_logits=reference_logits, compute_dtype=compute_dtype,
+                                       max_shard_size=max_shard_size)
 
     # -- chunked loss (qwen3_research.loss): hidden states and the lm_head weight, apart --------------
     def hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
