@@ -24,7 +24,7 @@ import _common as C
 def write_hf_dir(backend: str, flavor_name: str, out: Path) -> Path:
     import torch
 
-    from qwen3_research.hf_interop.export import hf_config_for_flavor
+    from qwen3_research.models.native.hf_export import hf_config_for_flavor
     from qwen3_research.models import get_flavor
 
     moe = backend == "native_moe"

@@ -116,7 +116,7 @@ def trainer_vs_bare(n: int, dry: bool) -> dict:
         from qwen3_research.config import to_run_config, validate
 
         validate(to_run_config(compose_resolved(over)))
-        from qwen3_research.models import native_model
+        from qwen3_research.models.native import model as native_model
 
         for owner, name in ((C, "build_trainer"), (C, "batches_from"), (C, "alternate"), (C, "ratio_per_repeat"),
                             (C, "mmm"), (titan, "qwen3_model_config"), (titan, "build_model"), (titan, "init_weights"),
@@ -133,7 +133,7 @@ def trainer_vs_bare(n: int, dry: bool) -> dict:
     with torch.no_grad():
         torch.manual_seed(0)
         titan.init_weights(model, dev)
-    from qwen3_research.models.native_model import norms_in_input_dtype
+    from qwen3_research.models.native.model import norms_in_input_dtype
 
     norms_in_input_dtype(model)  # the same module math as ours
     compiling.apply(model, ours.run.compile, fullgraph=False, is_moe=False)

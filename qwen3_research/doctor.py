@@ -337,10 +337,12 @@ def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen3_doctor_") as tmp:
-        # every shipped backend; those that load a checkpoint (written here by their smoke_overrides) last
-        specs = sorted((registry.get(n) for n in registry.in_tree()), key=lambda s: (s.takes_path, s.name))
-        for spec in specs:
-            backend, extra = spec.name, spec.smoke_overrides(Path(tmp))
+        # every shipped model option (a preset too); those that load a checkpoint (written here by their
+        # backend's smoke_overrides) last
+        specs = sorted(((o, registry.get(b)) for o, b in registry.options().items()),
+                       key=lambda option_spec: (option_spec[1].takes_path, option_spec[0]))
+        for backend, spec in specs:
+            extra = spec.smoke_overrides(Path(tmp))
             cmd = [sys.executable, "-m", "qwen3_research", f"model={backend}", *extra, *TINY_RUN, *run_overrides,
                    f"hydra.run.dir={Path(tmp) / ('run_' + backend)}"]
             ok, dt, msg = _timed(cmd, timeout)

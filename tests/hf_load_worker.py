@@ -52,7 +52,7 @@ class PeakSampler:
 def main() -> None:
     out, ref_path, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     from qwen3_research.compose import compose_resolved
-    from qwen3_research.models import native_model as native
+    from qwen3_research.models.native import model as native
     from qwen3_research.resolve import resolve_run
     from qwen3_research.trainer import RunInfo, Trainer
 

@@ -67,15 +67,20 @@ def test_toy_backend_bad_module_is_one_line(toy_conf, tmp_path):
 
 
 def test_in_tree_specs_declare_what_callers_asked_by_name():
-    """What callers once decided from a backend's name, each spec now says: native/native_moe take
-    init_from and are torchtitan models (MoE or not, with their HF model_type); hf needs model.path."""
+    """What callers once decided from a backend's name, each spec now says: native takes init_from and is
+    torchtitan's Qwen3 (dense and MoE flavors, with their HF model_types; the old native_moe answers as native
+    with its flavors renamed); hf needs model.path."""
     specs = {n: registry.get(n) for n in registry.in_tree()}
-    facts = {n: (s.takes_path, s.takes_init_from, s.torchtitan, s.moe, s.hf_model_type, len(s.flavors))
+    facts = {n: (s.takes_path, s.takes_init_from, s.torchtitan, s.moe, s.hf_model_types, len(s.flavors))
              for n, s in specs.items()}
     print(f"\n{facts}")
-    assert facts == {"hf": (True, False, False, False, None, 0),
-                     "native": (False, True, True, False, "qwen3", 8),
-                     "native_moe": (False, True, True, True, "qwen3_moe", 5)}
+    assert facts == {"hf": (True, False, False, False, (), 0),
+                     "native": (False, True, True, False, ("qwen3", "qwen3_moe"), 13)}
+    assert registry.get("native_moe") is specs["native"]
+    assert registry.canonical(ModelConfig(backend="native_moe", flavor="tiny")) == ModelConfig(backend="native",
+                                                                                               flavor="tiny_moe")
+    assert registry.balance_modes(ModelConfig(backend="native", flavor="tiny")) == ("none",)
+    assert registry.balance_modes(ModelConfig(backend="native", flavor="tiny_moe"))[0] == "bias"
 
 
 def test_backend_modules_validate_without_torch():
@@ -109,7 +114,29 @@ def test_unknown_backend_names_the_shipped_ones():
     with pytest.raises(ConfigError) as e:
         models.check(ModelConfig(backend="transformer"))
     print(f"\n{e.value}")
-    assert str(e.value).startswith("model.backend='transformer' is not one of ['hf', 'native', 'native_moe']")
+    assert str(e.value).startswith("model.backend='transformer' is not one of ['hf', 'native']")
+
+
+def test_native_takes_a_moe_flavor_and_nki_moe_is_refused_on_cpu(tmp_path):
+    """Issue 32 acceptance f: ``model=native model.flavor=tiny_moe`` trains a MoE (routing keys in metrics.jsonl);
+    with ``kernels=nki_moe`` on CPU the run is refused in one config-error line naming device=neuron, before any
+    run directory."""
+    run_dir = tmp_path / "moe"
+    proc = run_cli(["model=native", "model.flavor=tiny_moe", *FAST, "training.steps=2", "device=cpu"],
+                   run_dir=run_dir, timeout=300)
+    assert_ok(proc)
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    moe_keys = sorted(k for k in rows[-1] if k.startswith("moe_"))
+    named = [ln for ln in proc.stdout.splitlines() if ln.startswith("model=native/tiny_moe")]
+    print(f"\nsteps {len(rows)}, routing keys {moe_keys}; {named[0][:80] if named else ''}")
+    assert len(rows) == 2 and {"moe_max_load", "moe_entropy"} <= set(moe_keys) and named
+    refused = run_cli(["model=native", "model.flavor=tiny_moe", "kernels=nki_moe", *FAST, "training.steps=2",
+                       "device=cpu"], run_dir=tmp_path / "nki", timeout=300)
+    lines = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    print(f"exit {refused.returncode}: {lines}")
+    assert refused.returncode == 2 and len(lines) == 1
+    assert lines[0].startswith("config error: ") and "device=neuron" in lines[0]
+    assert not (tmp_path / "nki").exists()
 
 
 def test_training_loss_auto_is_the_full_loss_for_a_backend_without_a_chunked_one():

@@ -36,7 +36,7 @@ def native_logits_from_checkpoint(step_dir: Path, inputs: torch.Tensor) -> torch
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     backend = NativeQwen3(ModelConfig(backend="native", flavor="tiny"), torch.device("cpu"), 32, seed=123)
     params = {n: p.detach() for n, p in backend.model.named_parameters()}
@@ -169,7 +169,7 @@ def test_shape_check_reads_the_saved_tensors(straight):
     from qwen3_research.config import ConfigError, ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     other = NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0)
     with pytest.raises(ConfigError, match=r"holds another model shape .*model tensors not in the checkpoint") as e:
@@ -251,7 +251,7 @@ def test_resume_across_moe_balance_modes_that_change_the_tensors_is_one_config_e
     from qwen3_research.run.train_state import model_tensors
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     def moe(balance):
         cfg = ModelConfig(backend="native_moe", flavor="tiny", moe=MoEConfig(balance=balance))

@@ -63,7 +63,7 @@ def test_every_combination_composes_and_validates():
         rc = copy.deepcopy(dataclasses.replace(heads[combo[:4]], **{g: sections[(g, o)]
                                                                     for g, o in zip(tail, combo[4:])}))
         assert isinstance(rc, RunConfig)
-        assert rc.model.backend == {"native": "native", "native_moe": "native_moe", "hf": "hf"}[combo[0]]
+        assert rc.model.backend == {"native": "native", "native_moe": "native", "hf": "hf"}[combo[0]]
         if rc.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:
             with pytest.raises(ConfigError, match="device.type=neuron needs TorchNeuron"):
                 validate(rc)

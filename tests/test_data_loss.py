@@ -175,7 +175,7 @@ def test_an_export_whose_logits_differ_names_the_tensors_it_could_not_write(tmp_
     import torch
 
     from qwen3_research.data import Tokenizer, tokenizer_path
-    from qwen3_research.hf_interop.export import export_native
+    from qwen3_research.models.native.hf_export import export_native
     from qwen3_research.models import build
 
     backend = build(ModelConfig(backend="native_moe", flavor="tiny", moe=MoEConfig(balance="bias")),
@@ -255,7 +255,7 @@ def test_the_export_reference_of_a_moe_is_computed_with_float32_experts():
     import torch
 
     from qwen3_research import titan
-    from qwen3_research.hf_interop.export import reference_logits
+    from qwen3_research.run.export_hf import reference_logits
     from qwen3_research.models import build
 
     backend = build(ModelConfig(backend="native_moe", flavor="tiny", moe=MoEConfig(balance="aux_loss")),

@@ -41,7 +41,7 @@ def hf_dense(tmp_path_factory):
 def backends(hf_dense):
     """model=hf and model=native (init_from the same checkpoint), fp32 on CPU (SDPA)."""
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.hf_model import HFCausalLM
+    from qwen3_research.models.hf.model import HFCausalLM
     from tests.test_hf_interop import native_from
 
     hf = HFCausalLM(ModelConfig(backend="hf", path=str(hf_dense)), torch.device("cpu"), seq_len=64, seed=0)

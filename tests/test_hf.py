@@ -225,11 +225,11 @@ def test_hf_flops_per_token_equals_torchtitans(moe):
     from qwen3_research import device as devices
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.hf_interop.config import hf_config_fields
+    from qwen3_research.models.native.hf_config import hf_config_fields
     from qwen3_research.config import ModelConfig
     from qwen3_research.models import get_flavor
-    from qwen3_research.models.hf_model import hf_flops_per_token
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.hf.model import hf_flops_per_token
+    from qwen3_research.models.native.model import NativeQwen3
 
     backend = "native_moe" if moe else "native"
     native = NativeQwen3(ModelConfig(backend=backend, flavor="tiny"), torch.device("cpu"), 64, 0)

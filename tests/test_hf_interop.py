@@ -104,7 +104,7 @@ def test_native_init_from_matches_hf_on_odd_architectures(odd_dirs, name):
         print(f"\n[{name}] native init_from vs model=hf max |logit diff| ({what}) = {diff:.2e} (tol {tol:g})")
         assert diff < tol
     # Control: the same architecture with our own seeded init is far from the checkpoint (weights really loaded).
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     rand = NativeQwen3(ModelConfig(backend=backend_name, flavor="auto", init_from=str(odd_dirs[name])),
                        torch.device("cpu"), 32, 1, flavor=arch)

@@ -35,7 +35,7 @@ EXPERTS = "layers.*.moe.routed_experts.inner_experts"
 @pytest.fixture(scope="module")
 def moe_model():
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0).model
 
@@ -129,7 +129,7 @@ def test_unknown_kernel_and_unknown_option(moe_model):
 
 def test_apply_prints_plan_and_swaps_classes(capsys):
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     model = NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0).model
     keys = list(model.state_dict())

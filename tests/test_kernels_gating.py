@@ -28,7 +28,7 @@ KIND = device_kind("cpu")  # this host's CPU kind, e.g. cpu-avx512bf16
 
 def _model():
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0).model
 

@@ -79,7 +79,7 @@ def test_nki_rope_installs_on_the_models_rope_module():
     """The real CosSinRoPE cache layout goes through the wrapper: a tiny dense model's forward is unchanged."""
     from qwen3_research.config import ModelConfig
     from qwen3_research.kernels.rope import install_rope
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     model = NativeQwen3(ModelConfig(backend="native", flavor="tiny"), torch.device("cpu"), 256, 0).model
     tokens = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
@@ -252,7 +252,7 @@ NEURON2 = SimpleNamespace(type="neuron", lnc=2, torch_device=torch.device("cpu")
 def big_moe():
     """Qwen3-30B-A3B's real module shapes (H=2048, I=768, E=128), built on the meta device (no memory)."""
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="30B-A3B"), torch.device("cpu"), 256, 0).model
 
@@ -260,7 +260,7 @@ def big_moe():
 @pytest.fixture(scope="module")
 def tiny_moe():
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 256, 0).model
 
@@ -330,7 +330,7 @@ def test_verify_uses_the_kernel_specs_tolerance(monkeypatch):
     from qwen3_research.config import ModelConfig
     from qwen3_research.kernels import apply_overrides
     from qwen3_research.kernels.verify import verify_plan
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     model = NativeQwen3(ModelConfig(backend="native", flavor="tiny"), torch.device("cpu"), 32, 0).model
     cfg = RunConfig()
@@ -468,7 +468,7 @@ def test_the_debug_flavor_meets_every_nki_constraint():
     rank with no error (only the documented-range warning for I_TP=512, as for 30B-A3B's 768)."""
     from qwen3_research.config import ModelConfig
     from qwen3_research.models import get_flavor
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     f = get_flavor("native_moe", "nki_debug")
     model = NativeQwen3(ModelConfig(backend="native_moe", flavor="nki_debug"), torch.device("meta"), 256, 0).model

@@ -26,9 +26,9 @@ def _native_moe(flavor_overrides: dict | None = None, balance: str = "auto"):
 
     devices.prepare_torchtitan("cpu")
     from qwen3_research.models.flavors import MOE
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
-    flavor = dataclasses.replace(MOE["tiny"], **(flavor_overrides or {}))
+    flavor = dataclasses.replace(MOE["tiny_moe"], **(flavor_overrides or {}))
     cfg = ModelConfig(backend="native_moe", flavor="tiny", moe=MoEConfig(balance=balance))
     return NativeQwen3(cfg, torch.device("cpu"), 32, 0, flavor=flavor, flavor_name="tiny")
 
@@ -157,7 +157,7 @@ def test_aux_loss_matches_transformers_and_auto_follows_the_checkpoint(hf_moe_di
     layers before the product, as transformers does; float32 experts keep layer 1's router input the same.
     balance=auto with the checkpoint's router_aux_loss_coef=0.02 resolves to aux_loss, coefficient 0.02."""
     from qwen3_research.config import ModelConfig
-    from qwen3_research.models.hf_model import HFCausalLM
+    from qwen3_research.models.hf.model import HFCausalLM
     from tests.test_hf_interop import native_from
 
     x = TOKENS

@@ -35,7 +35,7 @@ def _backend(flavor_backend: str, seed: int):
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
-    from qwen3_research.models.native_model import NativeQwen3
+    from qwen3_research.models.native.model import NativeQwen3
 
     return NativeQwen3(ModelConfig(backend=flavor_backend, flavor="tiny"), torch.device("cpu"), 32, seed=seed)
 
@@ -442,7 +442,7 @@ def test_document_masked_native_logits_equal_transformers(tmp_path):
     them (0.2.2's attention asserts it gets no mask: the adapter's attention seam gives SDPA the mask)."""
     from qwen3_research.config import ModelConfig
     from qwen3_research.data import document_positions
-    from qwen3_research.models.hf_model import HFCausalLM
+    from qwen3_research.models.hf.model import HFCausalLM
     from tests.test_document_masking import EOS
     from tests.test_hf import write_hf_checkpoint
     from tests.test_hf_interop import native_from

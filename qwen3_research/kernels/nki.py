@@ -530,7 +530,7 @@ def _rope_check(module, options, cfg, device, where):
     return errors, []
 
 
-_FIX = ("these are Trainium (NKI) kernels; on cpu/cuda use kernels=moe_fast / rope_fast "
+_FIX = ("these are Trainium (NKI) kernels (device=neuron); on cpu/cuda use kernels=moe_fast / rope_fast "
         "(or triton_moe / triton_rope on cuda)")
 # What the wrappers import on a Neuron host (neuron_backend), and AWS's install line (Neuron 2.33,
 # setup/pytorch/update-manual; nkilib ships inside neuronx-cc since Neuron 2.27).

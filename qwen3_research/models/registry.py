@@ -169,11 +169,21 @@ def balance_modes(cfg) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _in_tree() -> tuple[str, ...]:
+def _options() -> tuple[tuple[str, str], ...]:
     from omegaconf import OmegaConf
 
-    names = {str(OmegaConf.load(p).get("backend")) for p in Path(CONF_DIR, "model").glob("*.yaml")}
-    return tuple(sorted(n for n in names if n != "None"))
+    found = ((p.stem, str(OmegaConf.load(p).get("backend"))) for p in sorted(Path(CONF_DIR, "model").glob("*.yaml")))
+    return tuple((o, b) for o, b in found if b != "None")
+
+
+def _in_tree() -> tuple[str, ...]:
+    return tuple(sorted({b for _, b in _options()}))
+
+
+def options() -> dict[str, str]:
+    """The shipped ``model=`` options (conf/model/*.yaml) and the backend each one configures (a preset such as
+    native_moe: native with a MoE flavor)."""
+    return dict(_options())
 
 
 def in_tree() -> list[str]:

@@ -231,7 +231,7 @@ def float32_experts(model):
     ``GroupedExperts`` always casts to bfloat16, so a MoE model's logits carry bf16 rounding that a few tokens
     whose routing is a near-tie amplify (0.056 at seq 128 x 4 after 3 steps, against 1e-3 typically), while
     transformers' Qwen3-MoE computes in float32. The export verifies its reload against the trained weights
-    computed in float32 (``hf_interop.export.reference_logits``), which is then exact. A per-expert loop (one host
+    computed in float32 (``run.export_hf.reference_logits``), which is then exact. A per-expert loop (one host
     sync: verification only). False, nothing changed: a torchtitan without that class (0.2.x), or experts whose
     forward is not the class's (a kernel, TorchNeuron's padding, torchtitan's EP/TP wrapper bound at parallelize)."""
     try:

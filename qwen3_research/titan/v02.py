@@ -373,7 +373,7 @@ def mark_expert_counts_varying(counts) -> None:
 
 
 def qwen3_config_for_architecture(arch, attention: str, device_type: str, seq_len: int):
-    """Qwen3ModelArgs for an architecture read from a Hugging Face config.json (``hf_interop.config``):
+    """Qwen3ModelArgs for an architecture read from a Hugging Face config.json (``models.native.hf_config``):
     ``qwen3_model_config``, then what a checkpoint may change and the builders fix; on 0.2.x the same two
     fields live on Qwen3ModelArgs / MoEArgs. The RoPE table has ``seq_len`` rows."""
     args = qwen3_model_config(dataclasses.replace(arch, torchtitan_name=None, max_seq_len=seq_len), attention,

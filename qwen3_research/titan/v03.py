@@ -293,7 +293,7 @@ def mark_expert_counts_varying(counts) -> None:
 
 # -- HF architecture ---------------------------------------------------------------------------
 def qwen3_config_for_architecture(arch, attention: str, device_type: str, seq_len: int):
-    """Qwen3Model.Config for an architecture read from a Hugging Face config.json (``hf_interop.config``).
+    """Qwen3Model.Config for an architecture read from a Hugging Face config.json (``models.native.hf_config``).
 
     torchtitan's own building blocks (``qwen3_model_config``), then what its builders fix and a
     checkpoint may change: every RMSNorm's eps (``rms_norm_eps``) and the router's top-k
