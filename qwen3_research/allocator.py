@@ -15,7 +15,8 @@ What this module does, chosen with ``QWEN3_CPU_ALLOCATOR`` (the off switch, read
   ``ensure`` re-executes the command once, before torch is imported, with the library in ``LD_PRELOAD`` (same
   PID, same argv). A library preloaded after glibc has served allocations would be unsafe, hence the re-exec
   and never a ``dlopen`` at run time. Without the wheel (or when the re-exec did not load it): ``mallopt``.
-  On cuda/neuron runs (``device=`` on the command line, or a host with a Neuron or NVIDIA driver) nothing changes.
+  On cuda/neuron runs (``device=`` on the command line, or a host with a Neuron or NVIDIA driver:
+  ``devices.device_kind(argv=...)``) nothing changes.
 - ``mimalloc``: the preload on every device; ``mallopt``: glibc with its thresholds raised (below); ``system``:
   glibc as it comes (the off switch).
 
@@ -26,7 +27,8 @@ at process start) are exported for it: ``mallopt`` in a parent does not reach an
 issue 24). ``status()`` is what a process observes of its own allocator; every rank records it in summary.json
 (``device_facts[*].cpu_allocator``).
 
-Standard library only: ``ensure`` runs before numpy, torch or this package's other modules are imported.
+Standard library only, and the torch-free ``devices`` package (which kind a command runs on, and whether that kind
+wants the CPU allocator: ``DeviceSpec.cpu_allocator_auto``): ``ensure`` runs before numpy or torch is imported.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+
+from qwen3_research import devices
 
 ENV = "QWEN3_CPU_ALLOCATOR"
 CHOICES = ("auto", "mimalloc", "mallopt", "system")
@@ -86,17 +90,10 @@ def mimalloc_loaded() -> bool:
     return _mapped("libmimalloc") is not None
 
 
-def _device_kind_from_argv(argv: list[str]) -> str:
-    """The device the command will run on, as far as its command line and the host tell before torch is imported:
-    ``device=X`` / ``device.type=X`` (the last one), else what ``host.device_kind_before_torch`` sees."""
-    from qwen3_research.host import device_kind_before_torch
-
-    kind = "auto"
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if eq and key.lstrip("+") in ("device", "device.type"):
-            kind = value.strip()
-    return device_kind_before_torch(kind)
+def _wants_cpu_allocator(kind: str) -> bool:
+    """Whether a command on ``kind`` gets mimalloc under auto (its spec says so; an unknown kind: no)."""
+    spec = devices.REGISTRY.get(kind)
+    return spec is not None and spec.cpu_allocator_auto
 
 
 def _reexec_argv(module: str) -> list[str]:
@@ -148,7 +145,7 @@ def _ensure(want: str, argv: list[str], command) -> None:
             os.environ["LD_PRELOAD"] = f"{lib} {preload}".strip() if preload else lib
         os.environ.pop(REEXEC_MARK, None)
         return
-    if want == "auto" and _device_kind_from_argv(argv) != "cpu":
+    if want == "auto" and not _wants_cpu_allocator(devices.device_kind(argv=argv)):
         return
     lib = mimalloc_library()
     if lib is None or os.environ.get(REEXEC_MARK):  # no wheel, or the preload did not take: glibc, tuned

@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwen3_research import devices
 from qwen3_research.errors import ConfigError
 
 # The compiled run's peak over the eager run's, measured on one H200 (Qwen3-0.6B seq 2048 x 8 bf16, torch 2.11,
@@ -36,7 +35,7 @@ MEASURED_MFU = {True: 0.43, False: 0.26}
 MEASURED_MFU_SOURCE = "MFU measured on one H200, Qwen3-0.6B seq 2048x8 bf16: 26 % compile off, 43 % on"
 
 ENABLE_ENV_VARS = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"  # TorchNeuron's NEFF cache (neuron_host.py cites AWS's pages)
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"  # TorchNeuron's NEFF cache (devices/neuron_host.py cites AWS's pages)
 LEGACY_NEFF_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"  # the torch-xla based torch-neuronx's
 
 
@@ -76,7 +75,8 @@ def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker
     ``tp_blocker``: what keeps this model from compiling under its TP degree (None: nothing): true is refused with
     it, auto is off."""
     c = rc.compile
-    backend = c.backend or ("neuron" if device_type == "neuron" else "inductor")
+    spec = devices.get(device_type)
+    backend = c.backend or spec.compile_backend
     if tp_blocker and c.enable is True:
         raise ConfigError(f"compile.enable=true with parallelism.tp={rc.parallelism.tp}: "
                           f"{TP_UNCOMPILABLE.format(what=tp_blocker)}; use compile.enable=false (or auto) with tp, "
@@ -85,14 +85,8 @@ def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker
         return CompileDecision(False, f"auto: {TP_UNCOMPILABLE.format(what=tp_blocker)}", backend)
     if c.enable is True or c.enable is False:
         enable, reason = bool(c.enable), f"compile.enable={str(c.enable).lower()}"
-    elif device_type == "cuda" and not is_moe and rc.training.mixed_precision == "bf16" and not rc.kernels.entries:
-        enable, reason = True, "auto: cuda, dense, bf16 measured 1.67x faster compiled on one H200"
-    elif device_type == "cuda":
-        why = ("an MoE model" if is_moe else "kernel entries" if rc.kernels.entries else
-               f"training.mixed_precision={rc.training.mixed_precision}")
-        enable, reason = False, f"auto: cuda with {why} has not been measured compiled"
-    elif device_type == "cpu":
-        enable, reason = False, "auto: cpu, a 20-30 s first compile outweighs short runs; compile.enable=true for long ones"
+    elif spec.compile_default is not None:  # what was measured on the device (its spec)
+        enable, reason = spec.compile_default(is_moe, rc.training.mixed_precision, rc.kernels.entries)
     else:
         enable, reason = False, f"auto: {device_type} compiled has not been measured"
     if not enable or not c.cache_dir:
@@ -105,71 +99,18 @@ def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker
 
 
 def cache_key(device_type: str, extra: str = "", *, probe: bool = True) -> str:
-    """The cache subdirectory's name: torch version, device kind and name, and on cuda the driver and CUDA versions,
-    on neuron the neuronx-cc version (+ compile.cache_key_extra), so another torch, driver or device never reuses an
-    entry. Readable where short, with a hash of the whole."""
+    """The cache subdirectory's name: torch version, device kind and the device's own facts (its spec's
+    ``compile_cache_facts``: the CPU model and ISA flags; the GPU name, driver and CUDA versions; the neuronx-cc
+    version) (+ compile.cache_key_extra), so another torch, driver or device never reuses an entry. Readable where
+    short, with a hash of the whole."""
     import torch
 
-    parts = [f"torch{torch.__version__}", device_type]
-    if device_type == "cuda" and probe:
-        name, driver = _gpu_name_and_driver()
-        parts += [name, f"driver{driver}", f"cuda{torch.version.cuda}"]
-    elif device_type == "neuron":
-        parts.append(f"neuronxcc{_package_version('neuronx-cc')}")
-    elif device_type == "cpu":
-        parts.append(_cpu_id())
+    parts = [f"torch{torch.__version__}", device_type, *devices.get(device_type).compile_cache_facts(probe)]
     if extra:
         parts.append(str(extra))
     full = "|".join(parts)
     readable = re.sub(r"[^A-Za-z0-9.+_-]+", "-", "-".join(parts))[:80].strip("-")
     return f"{readable}-{hashlib.sha256(full.encode()).hexdigest()[:10]}"
-
-
-def _cpu_id() -> str:
-    """The CPU's model name and a hash of its feature flags: EPYCs of one name differ in AVX-512 / AVX512-BF16
-    (GUIDE §7), and inductor's C++ kernels are built for the host's vector ISA."""
-    import platform
-
-    name, flags = platform.machine(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name == platform.machine():
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.strip()
-                if flags and name != platform.machine():
-                    break
-    except OSError:
-        pass
-    return f"{name}-isa{hashlib.sha256(flags.encode()).hexdigest()[:6]}"
-
-
-def _gpu_name_and_driver() -> tuple[str, str]:
-    """GPU 0's name and the driver version, from nvidia-smi (no CUDA context in the launching parent); torch's
-    name and 'unknown' where nvidia-smi is missing."""
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader", "-i", "0"],
-                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-            if out and "," in out[0]:
-                name, driver = (s.strip() for s in out[0].split(",", 1))
-                return name, driver
-        except (OSError, subprocess.SubprocessError):
-            pass
-    import torch
-
-    return (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown-gpu"), "unknown"
-
-
-def _package_version(name: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "none"
 
 
 NEFF_COMPILERS = ("neuron",)  # torch.compile backends whose graphs become NEFFs (neuronx-cc)

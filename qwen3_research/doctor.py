@@ -13,19 +13,19 @@ run per model backend (native, native_moe, hf on a small checkpoint written to a
 each pass/fail with its time; any failure makes the exit status 1.
 
 On a Trainium run (``device=neuron``, or ``auto`` where TorchNeuron is installed) it also checks the host as
-the first hour on a trn2 needs it (``neuron_host.host_checks``): ``neuron-ls`` (devices, cores, processes already
+the first hour on a trn2 needs it (``devices.neuron_host.host_checks``, the neuron spec's doctor rows): ``neuron-ls`` (devices, cores, processes already
 holding cores), the Neuron driver (``/sys/module/neuron/version``) and the aws-neuronx runtime/collectives/tools
 packages, ``NEURON_RT_*`` variables already set, the NEFF compile cache and its free disk, EFA (``fi_info -p
 efa``) when ``parallelism.nnodes > 1``, and that ``torchtitan.models.qwen3`` imports (it needs triton on
-torchtitan 0.2.x); ``--run`` there gives each check one NeuronCore. The host checks are ``neuron_host``'s;
-docs/TRAINIUM.md lists each row's failures.
+torchtitan 0.2.x); ``--run`` there gives each check one NeuronCore. Every device-specific row is the device
+spec's (``devices.get(kind).device_rows`` / ``lnc_row`` / ``doctor_rows`` / ``memory_row``); docs/TRAINIUM.md lists
+each Trainium row's failures.
 
 Nothing here starts a Neuron runtime in this process: the Neuron facts are asked in child processes.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -36,10 +36,16 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-# AWS's install line for TorchNeuron on PyTorch 2.14 (Neuron 2.33, setup/pytorch/update-manual).
-NEURON_INSTALL = ('pip install "torch-neuronx==2.14.*" "neuronx-cc==2.*" nki '
-                  "--extra-index-url https://pip.repos.neuron.amazonaws.com "
-                  "--extra-index-url https://download.pytorch.org/whl/cpu (README 'Trainium hosts')")
+from omegaconf import OmegaConf
+
+from qwen3_research import devices, titan
+from qwen3_research.compose import CONF_DIR, compose
+from qwen3_research.config import to_run_config
+from qwen3_research.devices import DoctorContext
+from qwen3_research.errors import ConfigError
+from qwen3_research.models import registry
+from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches
+
 TITAN_INSTALL = ("pip install torchtitan==0.3.0, or on Trainium AWS's fork: git clone -b release-2.33 "
                  "https://github.com/aws-neuron/torchtitan-neuron && pip install -e torchtitan-neuron")
 TINY_RUN = ["training.steps=2", "data.seq_len=32", "data.batch_size=2", "training.eval_every=0",
@@ -61,19 +67,11 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+def _kernels():
+    """The kernel registry (every kernel module registered)."""
+    from qwen3_research import kernels  # deferred: start-up (kernels imports torch; a config error exits before it)
 
-
-def _child(code: str, env: dict | None = None, timeout: float = 600) -> tuple[bool, str]:
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
-    out = (proc.stdout.strip().splitlines() or [""])[-1]
-    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return proc.returncode == 0, out if proc.returncode == 0 else err
+    return kernels
 
 
 def kernel_options(device_type: str, lnc: int | None = None) -> dict[str, str]:
@@ -90,17 +88,12 @@ def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple
     """Per option: the reasons it cannot run here from the support check a run and verify_kernels make
     (``kernels.registry.kernel_support``: device, LNC, environment, packages; the model's shapes come at
     start-up), and whether verify_kernels has a check for it."""
-    from omegaconf import OmegaConf
-
-    from qwen3_research.compose import CONF_DIR
-    from qwen3_research.kernels import KERNELS as kernels
-    from qwen3_research.kernels import kernel_support
-
+    kernels = _kernels()
     out = {}
     for path in sorted(Path(CONF_DIR, "kernels").glob("*.yaml")):
         entries = OmegaConf.load(path).get("entries") or []
-        why = kernel_support(entries, device_type, lnc, option=path.stem)
-        checks = any(kernels[e.name].verify is not None for e in entries if e.name in kernels)
+        why = kernels.kernel_support(entries, device_type, lnc, option=path.stem)
+        checks = any(kernels.KERNELS[e.name].verify is not None for e in entries if e.name in kernels.KERNELS)
         out[path.stem] = ("; ".join(why), checks)
     return out
 
@@ -116,8 +109,6 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     torch_v = _version("torch")
     rows.append(Row("torch", torch_v or "not installed", "ok" if torch_v else "MISSING",
                     "" if torch_v else "pip install torch==2.14.* (on Trainium it comes with torch-neuronx)"))
-    from qwen3_research import titan
-
     tt = titan.distribution()
     if tt["installed"]:
         kind = "AWS torchtitan-neuron fork" if tt["fork"] else "upstream pytorch/torchtitan"
@@ -133,65 +124,36 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     if not torch_v:
         return rows, ctx
 
-    from qwen3_research.compose import compose
-    from qwen3_research.errors import ConfigError
-
     try:
         cfg = compose(overrides)
     except ConfigError as e:
         raise SystemExit(_config_exit(f"config error: {e}"))
-    import torch
-
-    from qwen3_research import device as devices
-    from qwen3_research.config import to_run_config
-
     rc = to_run_config(cfg)
     requested = rc.device.type
-    kind = devices.requested_device_kind(requested)
-    device_ok = True
-    if kind == "neuron" and not _has("torch_neuronx"):
-        device_ok = False
-        rows.append(Row("device", f"{requested} -> neuron: torch_neuronx not installed", "MISSING", NEURON_INSTALL))
-    elif kind == "cuda" and not torch.cuda.is_available():
-        device_ok = False
-        rows.append(Row("device", f"{requested} -> cuda: torch.cuda.is_available() is False", "MISSING",
-                        devices.cuda_unavailable_reason()))
-    else:
-        found = {"cpu": f"cpu ({os.cpu_count()} cores)", "neuron": "neuron (torch_neuronx importable)",
-                 "cuda": f"cuda: {torch.cuda.get_device_name(0) if kind == 'cuda' else ''}"}[kind]
-        rows.append(Row("device", f"device.type={requested} -> {found}"))
+    kind = devices.resolve_device_type(requested, check=False)  # nothing here starts a device runtime
+    spec = devices.get(kind)
+    dctx = DoctorContext(requested=requested, kind=kind, nnodes=rc.parallelism.nnodes, titan=tt)
+    device_rows = spec.device_rows(dctx)
+    rows += [Row(*r) for r in device_rows]
+    device_ok = dctx.device_ok = all(r.status != "MISSING" for r in device_rows if r.item == "device")
     ctx["device"] = kind if device_ok else None
     ctx["lnc"] = None
-    if kind == "neuron" and tt["installed"] and not tt["fork"]:
-        rows.append(Row("torchtitan on neuron", "upstream build; AWS tests Trainium with its torchtitan-neuron fork "
-                        "(0.2.2+neuron.1, release-2.33)", "info"))
     devices.prepare_torchtitan(kind)  # before anything imports torchtitan (it reads the device at import)
 
     # LNC and logical cores.
     lnc = None
     try:
-        lnc = ctx["lnc"] = devices.resolve_lnc(rc.device.lnc, kind)
+        lnc = ctx["lnc"] = dctx.lnc = devices.resolve_lnc(rc.device.lnc, kind)
+        row = spec.lnc_row(dctx)
+        rows.append(Row(*row))
+        device_ok = dctx.device_ok = device_ok and row.status != "MISSING"
     except ConfigError as e:
         rows.append(Row("LNC", str(e).split(";")[0], "MISSING", str(e).split("; ", 1)[-1]))
-        device_ok = False
-    if kind == "neuron" and device_ok:
-        try:
-            cores = devices.neuron_logical_core_count(lnc)
-            rows.append(Row("LNC / logical cores", f"LNC={lnc} ({devices.LNC_ENV} exported to workers), {cores} logical cores"))
-        except ConfigError as e:
-            rows.append(Row("LNC / logical cores", f"LNC={lnc}, count failed", "MISSING", str(e)))
-            device_ok = False
-    elif kind == "neuron" and lnc is not None:
-        rows.append(Row("LNC / logical cores", f"LNC={lnc}; logical cores unknown until torch_neuronx is installed", "info"))
-    elif "LNC" not in [r.item for r in rows]:
-        rows.append(Row("LNC / logical cores", f"{'LNC=' + str(lnc) + ' exported' if lnc else 'n/a'} "
-                        f"(no NeuronCores: device is {kind})", "info"))
+        device_ok = dctx.device_ok = False
 
     # World size and degrees: the run's own start-up resolution (its kernel entries: the "kernels" row below).
     run = None
     if device_ok:
-        from qwen3_research.resolve import resolve_run
-
         try:
             run = resolve_run(cfg, kernels=False)
             d = run.degrees
@@ -201,38 +163,24 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
         except ConfigError as e:
             # the refusal itself is the fix line (it names the key and what to change), not "see above"
             rows.append(Row("run config", "refused by the run's start-up checks", "MISSING", str(e).splitlines()[0]))
-    if kind == "neuron":  # with or without TorchNeuron: the host facts say what else the first run needs
-        from qwen3_research.neuron_host import host_checks
-
-        nproc = run.nproc_per_node if run is not None else (
-            rc.parallelism.nproc_per_node if rc.parallelism.nproc_per_node != -1 else None)
-        rows += [Row(*c) for c in host_checks(nproc, rc.parallelism.nnodes, lnc)]
-        rows.append(_titan_models_row())
+    dctx.nproc = run.nproc_per_node if run is not None else (
+        rc.parallelism.nproc_per_node if rc.parallelism.nproc_per_node != -1 else None)
+    dctx.ranks_here = run.nproc_per_node if run is not None else 1
+    rows += [Row(*c) for c in spec.doctor_rows(dctx)]  # what else the host needs (neuron: the host checks)
 
     # Memory per rank.
-    if ctx["device"] == "cuda":
-        cap = torch.cuda.get_device_properties(0).total_memory
-        rows.append(Row("memory per rank", f"{cap / 1024**3:.1f} GiB HBM (torch.cuda.get_device_properties)"))
-    elif ctx["device"] == "neuron" and device_ok:
-        ok, out = _child("import torch, torch_neuronx; print(torch.neuron.get_device_properties(0).total_memory)",
-                         {devices.LNC_ENV: str(lnc)})
-        rows.append(Row("memory per rank", f"{int(out) / 1024**3:.1f} GiB HBM per logical core (get_device_properties)"
-                        if ok else f"could not read: {out}", "ok" if ok else "MISSING",
-                        "" if ok else "check the Neuron driver and runtime (neuron-ls)"))
-    elif ctx["device"] == "cpu":
-        total, source = devices.host_memory()
-        n = run.nproc_per_node if run is not None else 1  # the ranks on this host share it
-        rows.append(Row("memory per rank", f"{total / n / 1024**3:.1f} GiB ({total / 1024**3:.1f} GiB {source}"
-                        + (f" / {n} ranks" if n > 1 else "") + ", cpu)", "info"))
+    memory = spec.memory_row(dctx) if ctx["device"] else None
+    if memory is not None:
+        rows.append(Row(*memory))
 
     # Backends.
     if ctx["device"]:
         import torch.distributed as dist
 
-        pg = {"cuda": "nccl", "neuron": "neuron", "cpu": "gloo"}[ctx["device"]]
-        pg_ok = dist.is_available() and (pg == "neuron" or getattr(dist, f"is_{pg}_available")())
+        pg = spec.dist_backend
+        pg_ok = dist.is_available() and getattr(dist, f"is_{pg}_available", lambda: True)()  # neuron: no such check
         rows.append(Row("process group", pg, "ok" if pg_ok else "MISSING", "" if pg_ok else f"this torch build lacks {pg}"))
-        cb = rc.compile.backend or ("neuron" if ctx["device"] == "neuron" else "inductor")
+        cb = rc.compile.backend or spec.compile_backend
         decided = run.compile if run is not None else None  # compile.enable=auto resolved, with its reason
         on = decided.enable if decided is not None else rc.compile.enable is True
         rows.append(Row("compile backend", f"{cb} ({decided.describe() if decided else f'compile.enable={rc.compile.enable}'})",
@@ -250,8 +198,6 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
             rows.append(Row("kernels", f"kernels={chosen}: {options[chosen]}", "MISSING",
                             "choose one of the options that can run here (above)"))
         elif rc.kernels.entries:  # the model's shapes too, as the run's start-up resolves them (on a meta model)
-            from qwen3_research.resolve import kernel_targets, warn_kernel_matches
-
             try:
                 _, unmatched = kernel_targets(rc, ctx["device"], lnc)
                 warn_kernel_matches(unmatched)
@@ -267,17 +213,6 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     rows.append(Row("W&B", f"{mode} (from {source}); wandb {wb or 'not installed'}", "ok" if wb_ok else "MISSING",
                     "" if wb_ok else "pip install wandb==0.31.0 or logging.wandb.mode=disabled"))
     return rows, ctx
-
-
-def _titan_models_row() -> Row:
-    """torchtitan's Qwen3 package imports (in a child: it reads the device at import). On torchtitan 0.2.x it
-    imports triton (models/moe/kernels.py), which TorchNeuron does not bring."""
-    ok, msg = _child("import torchtitan.models.qwen3")
-    if ok:
-        return Row("torchtitan models", "import torchtitan.models.qwen3: ok")
-    fix = ("pip install triton (torchtitan's MoE kernels module imports it; AWS's Qwen3 guide installs it; "
-           "requirements-neuron.txt)" if "triton" in msg else "reinstall torchtitan as README 'Trainium hosts' says")
-    return Row("torchtitan models", f"import torchtitan.models.qwen3 failed: {msg}", "MISSING", fix)
 
 
 def _config_exit(message: str) -> int:
@@ -311,30 +246,21 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     """verify_kernels overrides for one kernel option: shapes the option's kernels take. On neuron the NKI Library
     kernels need seq_len % (128 x LNC) == 0 (rope_hf) and, for MoE, the kernel-sized flavor nki_debug (hidden 1024;
     the tiny flavors are refused: docs/KERNELS.md); elsewhere the small CPU shapes."""
-    from omegaconf import OmegaConf
-
-    from qwen3_research.compose import CONF_DIR
-    from qwen3_research.kernels import KERNELS, kernel_replaces
-
+    kernels = _kernels()
     names = [e.name for e in OmegaConf.load(Path(CONF_DIR, "kernels", f"{option}.yaml")).get("entries") or []]
-    moe = any(kernel_replaces(n, "GroupedExperts") for n in names)  # an expert kernel
-    args = [f"model={'native_moe' if moe else 'native'}"]
-    if device == "neuron":
-        args += [f"data.seq_len={128 * (lnc or 2)}", "data.batch_size=1"]
-    else:
-        args += ["data.seq_len=32", "data.batch_size=2"]
+    moe = any(kernels.kernel_replaces(n, "GroupedExperts") for n in names)  # an expert kernel
+    args = [f"model={'native_moe' if moe else 'native'}", *devices.get(device).verify_overrides(lnc)]
     # what each kernel's spec asks for on this device (Requirements.verify_overrides)
-    extra = [o for n in names if n in KERNELS for o in KERNELS[n].requirements.verify_overrides.get(device, ())]
+    extra = [o for n in names if n in kernels.KERNELS
+             for o in kernels.KERNELS[n].requirements.verify_overrides.get(device, ())]
     return args + list(dict.fromkeys(extra))
 
 
 def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
     run_overrides = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("model", "kernels"))]
-    if ctx["device"] == "neuron":  # one process, one NeuronCore per check (device.prepare_neuron_cores)
+    if devices.get(ctx["device"]).doctor_one_process:  # neuron: one NeuronCore per check (lnc.prepare_neuron_cores)
         run_overrides = [o for o in run_overrides if not o.startswith("parallelism")] + ["parallelism=single",
                                                                                           "parallelism.nproc_per_node=1"]
-    from qwen3_research.models import registry
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen3_doctor_") as tmp:
         # every shipped model option (a preset too); those that load a checkpoint (written here by their

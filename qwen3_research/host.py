@@ -4,6 +4,11 @@ For defaults chosen per device before torch is loaded: the CPU allocator (``allo
 heavy import and may re-exec the command) and the auto settings of the config (``config.resolve_auto_settings``).
 ``torch.cuda.is_available()`` in a launching parent would also spoil the CUDA state of workers forked from it.
 Standard library only.
+
+The same rule as ``devices.device_kind`` (the one device-kind function of code that must not import torch, asked of
+each kind's spec). This module stays only because ``config.py`` (the base layer) may not import ``devices`` (the
+adapters layer above it): once config's device decisions (``auto_loss``, ``auto_mixed_precision``,
+``runs_on_neuron``) move to ``resolve``, which asks ``devices``, delete it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 def device_kind_before_torch(requested: str) -> str:
     """The device a run with ``device.type=requested`` uses: ``requested`` unless it is auto; auto is neuron where
     TorchNeuron is installed, cuda where the NVIDIA driver lists a GPU (and CUDA_VISIBLE_DEVICES does not hide them
-    all), else cpu (the rule of ``device.requested_device_kind``, which asks torch)."""
+    all), else cpu (the rule of ``devices.device_kind``)."""
     if requested != "auto":
         return requested
     if importlib.util.find_spec("torch_neuronx") is not None:

@@ -15,6 +15,10 @@
   neuron ``profiling.steps`` turns on that capture for the run's processes instead (``neuron_environment``,
   ``<run dir>/profiling/neuron``; ``profiling.neuron_device_profile`` adds device-level traces).
 
+What each device records is its spec's (``devices.get(kind)``): ``torch_profiler`` and ``profiler_activities``,
+``memory_snapshot`` (``allocator``: the caching allocator's history; ``profiler``: the profiler's memory events),
+``profiler_environment`` (the runtime's own capture).
+
 The Trainer calls ``Profiler.before_step`` / ``after_step`` around each step and ``on_error`` when a step raises;
 what a rank wrote comes back as paths, which rank 0 logs as W&B artifacts (``MetricSink.artifact``).
 """
@@ -26,28 +30,11 @@ from pathlib import Path
 
 import torch
 
+from qwen3_research import devices
 from qwen3_research.config import ProfilingConfig
+from qwen3_research.devices.neuron import neuron_environment  # noqa: F401  (re-exported: the launcher, tests)
 
 PROFILE_DIR = "profiling"
-
-
-def neuron_environment(p: ProfilingConfig, run_dir: Path) -> dict[str, str]:
-    """The Neuron runtime's profiler environment for ``profiling.steps`` on neuron (empty when not profiling).
-
-    AWS Neuron Explorer, "Neuron Explorer Environment Variables" (Neuron 2.33):
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/tools/neuron-explorer/environment-variables.html
-    NEURON_RT_INSPECT_ENABLE=1 is the master switch of environment-variable capture (system profile on by
-    default), NEURON_RT_INSPECT_OUTPUT_DIR the output directory, NEURON_RT_INSPECT_DEVICE_PROFILE=1|model|session
-    adds device-level traces; NEURON_RT_* are read when the runtime starts ("set them before the workload
-    starts"), and the page warns not to combine this capture with torch.profiler. The runtime cannot be told
-    which training steps to capture through these variables: the whole run is captured.
-    """
-    if not p.steps:
-        return {}
-    env = {"NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_OUTPUT_DIR": str(Path(run_dir) / PROFILE_DIR / "neuron")}
-    if p.neuron_device_profile:
-        env["NEURON_RT_INSPECT_DEVICE_PROFILE"] = p.neuron_device_profile
-    return env
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -64,9 +51,10 @@ class Profiler:
         self.rank = rank
         self.dir = Path(run_dir) / PROFILE_DIR
         self.device_type = device_type
-        # neuron: the runtime captures (neuron_environment, set by the launcher); torch.profiler stays off
-        self.trace = bool(p.steps) and device_type != "neuron"
-        self.memory = p.memory_snapshot and device_type in ("cpu", "cuda")
+        self.spec = devices.get(device_type)
+        # neuron: the runtime captures (spec.profiler_environment, set by the launcher); torch.profiler stays off
+        self.trace = bool(p.steps) and self.spec.torch_profiler
+        self.memory = bool(p.memory_snapshot) and self.spec.memory_snapshot is not None
         first, last = (p.steps[0], p.steps[1]) if p.steps else (1, total_steps)
         self.window = (first, last)
         self.prof = None  # the torch profiler, between the window's first and last step
@@ -82,15 +70,15 @@ class Profiler:
         if not self.enabled or self.prof is not None or self.recording or not self.window[0] <= step <= self.window[1]:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.memory and self.device_type == "cuda":
+        if self.memory and self.spec.memory_snapshot == "allocator":  # cuda: the caching allocator's history
             torch.cuda.memory._record_memory_history(max_entries=100_000)
             self.recording = True
-        cpu_memory = self.memory and self.device_type == "cpu"
-        if self.trace or cpu_memory:
+        profiler_memory = self.memory and self.spec.memory_snapshot == "profiler"  # cpu: the profiler's events
+        if self.trace or profiler_memory:
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device_type == "cuda" else [])
-            self.prof = profile(activities=activities, profile_memory=cpu_memory)
+            activities = [getattr(ProfilerActivity, a) for a in self.spec.profiler_activities]
+            self.prof = profile(activities=activities, profile_memory=profiler_memory)
             self.prof.start()
 
     def after_step(self, step: int) -> list[Path]:
@@ -120,7 +108,7 @@ class Profiler:
                 path = self.dir / f"trace_rank{self.rank}.json"
                 prof.export_chrome_trace(str(path))
                 written.append(path)
-            if self.memory and self.device_type == "cpu":
+            if self.memory and self.spec.memory_snapshot == "profiler":
                 path = self.dir / f"{prefix}memory_timeline_rank{self.rank}.json"
                 path.write_text(json.dumps(cpu_memory_timeline(prof, self.window, prefix == "oom_")))
                 written.append(path)

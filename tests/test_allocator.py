@@ -36,7 +36,7 @@ def test_choice_and_the_command_run_again(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-X", "utf8", "-m", "qwen3_research", "a=1"])
     monkeypatch.setattr(sys, "argv", ["/x/qwen3_research/__main__.py", "a=1"])
     assert allocator._reexec_argv("qwen3_research") == [sys.executable, "-X", "utf8", "-m", "qwen3_research", "a=1"]
-    assert allocator._device_kind_from_argv(["device=cuda", "device.type=cpu"]) == "cpu"
+    assert allocator.devices.device_kind(argv=["device=cuda", "device.type=cpu"]) == "cpu"
 
 
 def test_the_fallback_reaches_processes_the_command_execs():

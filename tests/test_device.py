@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qwen3_research import device as devices
-from qwen3_research import allocator, titan
+from qwen3_research import allocator, devices, titan
+from qwen3_research.devices import lnc as lnc_facts
+from qwen3_research.devices import neuron as neuron_spec
 from qwen3_research.errors import ConfigError
 from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
 
@@ -66,7 +68,7 @@ def test_nproc_auto_is_one_on_cpu_and_logical_cores_on_neuron(monkeypatch):
     of the counting child process: 64 logical cores at LNC=2, 128 at LNC=1 on a trn2.48xlarge)."""
     assert devices.resolve_nproc_per_node(-1, "cpu", None) == 1
     assert devices.resolve_nproc_per_node(3, "neuron", 2) == 3  # explicit wins
-    monkeypatch.setattr(devices, "neuron_logical_core_count", lambda lnc: {1: 128, 2: 64}[lnc])
+    monkeypatch.setattr(lnc_facts, "neuron_logical_core_count", lambda lnc: {1: 128, 2: 64}[lnc])
     assert devices.resolve_nproc_per_node(-1, "neuron", 2) == 64
     assert devices.resolve_nproc_per_node(-1, "neuron", 1) == 128
 
@@ -135,7 +137,7 @@ class TorchNeuronTestDouble:
 def _neuron_device(monkeypatch, double, lnc):
     monkeypatch.setattr(torch, "neuron", double, raising=False)
     # "neuron" is a torch device type only once torch_neuronx has registered it.
-    monkeypatch.setattr(devices, "_torch_device", lambda kind, index: torch.device("meta"))
+    monkeypatch.setattr(neuron_spec, "_torch_device", lambda kind, index: torch.device("meta"))
     monkeypatch.delenv(devices.LNC_ENV, raising=False)
     return devices.Device("neuron", 0, lnc)
 
@@ -257,7 +259,7 @@ def no_core_pins(monkeypatch):
     for var in (devices.VISIBLE_CORES_ENV, devices.NUM_CORES_ENV):
         monkeypatch.setenv(var, "")  # recorded, so whatever a test puts there is undone
         monkeypatch.delenv(var)
-    monkeypatch.setattr(devices, "_set_by_us", {})
+    monkeypatch.setattr(lnc_facts, "_set_by_us", {})
 
 
 def test_single_process_neuron_run_takes_one_core_and_a_worker_group_none(no_core_pins):
@@ -269,7 +271,7 @@ def test_single_process_neuron_run_takes_one_core_and_a_worker_group_none(no_cor
     assert "NEURON_RT_NUM_CORES" not in os.environ  # ours removed: each rank gets its own core from torch_neuronx
     env = {}  # a copy (the doctor asks this way): changed, but nothing recorded as ours
     devices.prepare_neuron_cores(1, env=env)
-    assert env == {"NEURON_RT_NUM_CORES": "1"} and devices._set_by_us == {}
+    assert env == {"NEURON_RT_NUM_CORES": "1"} and lnc_facts._set_by_us == {}
     env = {"NEURON_RT_VISIBLE_CORES": "5"}
     assert devices.prepare_neuron_cores(1, env=env) == "NEURON_RT_VISIBLE_CORES=5 (from the environment)"
     assert env == {"NEURON_RT_VISIBLE_CORES": "5"}
@@ -302,3 +304,95 @@ def test_prepare_launch_pins_one_core_for_a_single_process_neuron_run(no_core_pi
         assert devices.neuron_logical_core_count(2) == 64  # the double counts visible cores: ours is not passed on
     finally:
         devices.neuron_logical_core_count.cache_clear()
+
+
+# -- devices as specs (issue 32) --------------------------------------------------------------------------------
+TOY_DEVICE = '''"""A toy device kind: one module, registered as the shipped ones are (qwen3_research/devices/cpu.py)."""
+from qwen3_research.devices.registry import register
+from qwen3_research.devices.spec import DeviceSpec
+
+SPEC = register(DeviceSpec(
+    kind="toy", dist_backend="gloo", start_method="spawn", auto_order=1, present=lambda: PRESENT[0],
+    available=lambda: True, visible=lambda: True, unavailable_reason=lambda: "", local_devices=lambda lnc: 3,
+    default_precision="bf16", default_loss="full", compile_backend="eager", peaks={"bf16": 1e12, "fp32": 0.5e12},
+    torch_device=lambda rank: __import__("torch").device("cpu"), memory_bytes=lambda dev: (1 << 30, 2 << 30),
+    capacity_bytes=lambda dev: 8 << 30, peak_flops=lambda dev, key, dtype: SPEC.peaks[key],
+))
+PRESENT = [False]
+'''
+
+
+def test_a_toy_device_kind_is_one_module(tmp_path, monkeypatch):
+    """A device kind from one module (what conf/device/<kind>.yaml names): the registry lists it and gets it,
+    device_kind and resolve_device_type take it, auto picks it where it is present (its auto order is lowest),
+    a Device runs on it and the dist backend, peaks and nproc come from its spec. An unknown kind is refused
+    naming the known ones."""
+    import importlib
+
+    (tmp_path / "toy_device.py").write_text(TOY_DEVICE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(devices.registry, "REGISTRY", dict(devices.REGISTRY))  # restored after the test
+    monkeypatch.setattr(devices, "REGISTRY", devices.registry.REGISTRY)
+    toy = importlib.import_module("toy_device")
+    try:
+        assert "toy" in devices.kinds() and devices.get("toy") is toy.SPEC
+        assert devices.device_kind("toy") == "toy" and devices.device_kind(argv=["device=toy"]) == "toy"
+        assert devices.resolve_device_type("toy") == "toy"
+        assert devices.device_kind() != "toy"  # absent: auto passes it by
+        toy.PRESENT[0] = True
+        assert devices.device_kind() == "toy" and devices.kinds()[0] == "toy"
+        assert devices.reference_peak("toy", "bf16") == 1e12
+        assert devices.resolve_nproc_per_node(-1, "toy", None) == 3
+        dev = devices.Device("toy")
+        assert dev.spec is toy.SPEC and dev.dist_backend == "gloo"
+        assert (dev.memory().current_gib, dev.memory().peak_pct) == (1.0, 25.0)
+        assert dev.peak_flops(torch.bfloat16) == 1e12 and dev.peak_flops(torch.float32) == 0.5e12
+        with pytest.raises(ConfigError, match=r"device.type='nope' is not a device kind; known: auto, toy, neuron, cuda, cpu"):
+            devices.get("nope")
+    finally:
+        sys.modules.pop("toy_device", None)
+
+
+def test_the_shipped_specs_hold_what_device_py_and_fit_said():
+    """The facts that lived in device.py, config.py, compiling.py, elastic.py and fit.py, now each kind's spec."""
+    cpu, cuda, neuron = (devices.get(k) for k in ("cpu", "cuda", "neuron"))
+    assert devices.kinds() == ["neuron", "cuda", "cpu"]  # device.type=auto's order
+    assert [s.dist_backend for s in (cpu, cuda, neuron)] == ["gloo", "nccl", "neuron"]
+    assert [s.start_method for s in (cpu, cuda, neuron)] == ["fork", "spawn", "spawn"]
+    assert [s.default_precision for s in (cpu, cuda, neuron)] == ["none", "none", "bf16"]
+    assert [s.default_loss for s in (cpu, cuda, neuron)] == ["chunked", "full", "full"]
+    assert [s.compile_backend for s in (cpu, cuda, neuron)] == ["inductor", "inductor", "neuron"]
+    assert [s.torch_profiler for s in (cpu, cuda, neuron)] == [True, True, False]
+    assert [s.memory_snapshot for s in (cpu, cuda, neuron)] == ["profiler", "allocator", None]
+    assert [s.runs_on_host for s in (cpu, cuda, neuron)] == [True, False, False]
+    assert [s.planning_table is not None for s in (cpu, cuda, neuron)] == [False, True, False]
+    assert [s.flex_attention for s in (cpu, cuda, neuron)] == [False, True, False]
+    assert [s.kernels_by_shape for s in (cpu, cuda, neuron)] == [False, False, True]
+    # fit.py's literal 989e12 and device.py's tables: one place
+    assert devices.reference_peak("cuda", "bf16") == 989e12 and devices.reference_peak("cuda", "fp32") == 67e12
+    assert devices.reference_peak("cuda", "tf32") == 494.5e12
+    assert devices.reference_peak("neuron", "bf16") == 157e12 and devices.reference_peak("neuron", "fp32") == 45.25e12
+    with pytest.raises(KeyError, match="no reference tf32 peak"):
+        devices.reference_peak("neuron", "tf32")
+    assert cuda.compile_default(False, "bf16", ()) == (True, "auto: cuda, dense, bf16 measured 1.67x faster compiled "
+                                                             "on one H200")
+    assert cuda.compile_default(True, "bf16", ())[0] is False and neuron.compile_default is None
+
+
+def test_device_kind_asks_no_torch(tmp_path):
+    """devices.device_kind in a fresh process: torch stays unimported; auto is neuron where torch_neuronx is
+    installed (a package on the path), cpu here; the command line's last device= wins."""
+    import subprocess
+    import sys as _sys
+
+    code = ("import sys; from qwen3_research import devices; "
+            "print(devices.device_kind(), devices.device_kind(argv=['device=cuda', 'device.type=cpu']), "
+            "devices.device_kind('cuda'), 'torch' in sys.modules)")
+    (tmp_path / "torch_neuronx").mkdir()
+    (tmp_path / "torch_neuronx" / "__init__.py").write_text("")
+    here = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120)
+    trn = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=cli_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{cli_env().get('PYTHONPATH', '')}"))
+    print(here.stdout, trn.stdout, here.stderr[-500:])
+    assert here.stdout.split() == ["cpu", "cpu", "cuda", "False"]
+    assert trn.stdout.split() == ["neuron", "cpu", "cuda", "False"]

@@ -147,7 +147,7 @@ def test_neff_cache_needs_free_disk(tmp_path, monkeypatch, need, status, fix):
     """The NEFF cache row: >= 20 GiB free on the cache's disk, or what QWEN3_NEFF_CACHE_MIN_GIB says."""
     import shutil
 
-    from qwen3_research.neuron_host import host_checks
+    from qwen3_research.devices.neuron_host import host_checks
 
     env = trn2_host(tmp_path)
     for k in ("PATH", "QWEN3_SYSFS_ROOT", "TORCH_NEURONX_NEFF_CACHE_DIR"):
@@ -164,7 +164,7 @@ def test_neff_cache_needs_free_disk(tmp_path, monkeypatch, need, status, fix):
 def test_host_rows_one_free_core_is_enough_for_one_process(tmp_path, monkeypatch):
     """In-process: a single-process run (NEURON_RT_NUM_CORES=1) is not blocked by a process holding 60 of 64 cores,
     a 2-rank run needing cores 0-1 is; fi_info's efa provider is counted for two nodes."""
-    from qwen3_research.neuron_host import host_checks
+    from qwen3_research.devices.neuron_host import host_checks
 
     env = trn2_host(tmp_path, held={d: (7, "other") for d in range(15)})
     for k in ("PATH", "QWEN3_SYSFS_ROOT", "TORCH_NEURONX_NEFF_CACHE_DIR"):

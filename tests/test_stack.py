@@ -89,7 +89,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.kernels.*",
                     "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.optim",
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
-                    "qwen3_research.neuron_host", "qwen3_research.routing", "qwen3_research.token_stream",
+                    "qwen3_research.routing", "qwen3_research.token_stream",
                     "qwen3_research.compiling"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.devices", "qwen3_research.devices.*",
                   "qwen3_research.device",
@@ -728,7 +728,8 @@ def test_no_cycles_between_folders():
 # The entry points and what a config error needs before anything is built (the brief's light path).
 LIGHT_SET = ("qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor", "qwen3_research.export",
              "qwen3_research.compare", "qwen3_research.verify_kernels", "qwen3_research.compose", "qwen3_research.config",
-             "qwen3_research.errors", "qwen3_research.host", "qwen3_research.startup", "qwen3_research.allocator")
+             "qwen3_research.errors", "qwen3_research.host", "qwen3_research.devices", "qwen3_research.startup",
+             "qwen3_research.allocator")
 # Config errors that exit 2 without torch (a misspelled key, an unknown option); a degree error is checked
 # after the schema, with the host's device facts: reported, not asserted (bench_startup's third command).
 LIGHT_CONFIG_ERRORS = (["training.stepz=1"], ["model=nope"])

@@ -275,7 +275,7 @@ def test_a_cpu_ranks_plan_capacity_is_its_share_of_the_cgroup_limit(tmp_path, mo
     from qwen3_research.planner import capacity
 
     (tmp_path / "memory.max").write_text(limit + "\n")
-    monkeypatch.setattr(devices, "cgroup_memory_files", lambda: [str(tmp_path / "memory.max")])
+    monkeypatch.setattr(devices.host, "cgroup_memory_files", lambda: [str(tmp_path / "memory.max")])  # devices/host.py
     gib, source = capacity(to_run_config(compose(["device=cpu"])), ranks)
     print(f"{gib:.2f} GiB per rank ({source})")
     if want is None:

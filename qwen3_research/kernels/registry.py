@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from qwen3_research import devices
 from qwen3_research.errors import ConfigError
 
 log = logging.getLogger("qwen3_research.kernels")
@@ -122,7 +123,7 @@ class KernelPlan(dict):
 def device_kind(device_type: str) -> str:
     """The kind of device a speed measurement holds for. CPUs differ by their matrix units (bf16 is 10-100x
     slower than fp32 without AVX512-BF16 and faster with it: GUIDE §7), so a CPU kind names them."""
-    if device_type != "cpu":
+    if not devices.get(device_type).runs_on_host:
         return device_type
     return _cpu_kind()
 
@@ -268,7 +269,7 @@ def _static_problems(spec, where: str, device_type: str, lnc: int | None, planni
             f"{where}: kernel {spec.name} runs on {device_type} only under {var}=1 (slow, for tests); "
             f"set {var}=1 or use {req.fix or 'another kernels option'}"
         )
-    if req.lncs is not None and device_type == "neuron" and lnc not in req.lncs:
+    if req.lncs is not None and devices.get(device_type).logical_cores and lnc not in req.lncs:
         out.append(
             f"{where} needs LNC in {list(req.lncs)} (NEURON_LOGICAL_NC_CONFIG or device.lnc); got {lnc}"
         )

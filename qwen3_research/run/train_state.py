@@ -104,6 +104,9 @@ def _from_json_bytes(blob: bytes):
     return json.loads(bytes(blob).decode())
 
 
+CUDA_RNG = "cuda"  # the checkpoint's key of the CUDA generator's state (a name checkpoints keep, not a device test)
+
+
 def _rng_state() -> bytes:
     np_state = np.random.get_state()
     state = {
@@ -112,7 +115,7 @@ def _rng_state() -> bytes:
         "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
+        state[CUDA_RNG] = torch.cuda.get_rng_state().tolist()
     return _to_json_bytes(state)
 
 
@@ -123,5 +126,5 @@ def _set_rng_state(blob: bytes) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+    if CUDA_RNG in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state[CUDA_RNG], dtype=torch.uint8))

@@ -4,7 +4,8 @@
 (devices, cores, processes already holding cores), the Neuron driver (``/sys/module/neuron/version``), the
 aws-neuronx runtime/collectives/tools packages (dpkg-query or rpm), ``NEURON_RT_*`` variables already set, the NEFF
 compile cache and its free disk, and EFA (``fi_info -p efa``) for more than one node. The doctor shows them
-(qwen3_research/doctor.py); docs/TRAINIUM.md says what each failure means. Nothing here starts a Neuron runtime.
+(qwen3_research/doctor.py, through the neuron spec's doctor rows: ``devices/neuron.py``); docs/TRAINIUM.md says
+what each failure means. Nothing here starts a Neuron runtime.
 Test hook: ``QWEN3_SYSFS_ROOT`` replaces ``/sys`` (tests/neuron_host_double.py, a simulated trn2 host).
 """
 
@@ -14,15 +15,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
-from typing import NamedTuple
 
-
-class Check(NamedTuple):
-    item: str
-    value: str
-    status: str = "ok"  # ok | info | MISSING
-    fix: str = ""
+from qwen3_research.devices import lnc as lnc_facts
+from qwen3_research.devices.spec import Check
+from qwen3_research.errors import ConfigError
 
 
 # neuron-ls: AWS's Neuron LS user guide (tools/neuron-sys-tools/neuron-ls, Neuron 2.33:
@@ -112,9 +110,6 @@ def _ranges(ids: list[int]) -> str:
 
 def host_checks(nproc: int | None, nnodes: int, lnc: int | None) -> list[Check]:
     """What a Trainium run needs from this host beyond Python packages; one fix per missing piece."""
-    from qwen3_research import device as devices
-    from qwen3_research.errors import ConfigError
-
     rows: list[Check] = []
     # neuron-ls: devices, cores, who holds them.
     found, how = neuron_ls_devices()
@@ -174,10 +169,10 @@ def host_checks(nproc: int | None, nnodes: int, lnc: int | None) -> list[Check]:
                         f"install {' '.join(lacking)} (the Neuron runtime and collectives): {DLAMI_FIX}" if lacking else ""))
     # Variables the runtime reads, already set by the user.
     preset = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NEURON_RT_")
-              or k in (devices.LNC_ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+              or k in (lnc_facts.LNC_ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD")}
     world = (nproc or total or 0) * nnodes
     try:
-        cores = devices.prepare_neuron_cores(world or 1, env=dict(os.environ)) if world else "unknown world size"
+        cores = lnc_facts.prepare_neuron_cores(world or 1, env=dict(os.environ)) if world else "unknown world size"
         rows.append(Check("NEURON_RT_* set", (", ".join(f"{k}={v}" for k, v in preset.items()) or "none")
                         + f"; the run's cores: {cores}", "info"))
     except ConfigError as e:
@@ -258,3 +253,16 @@ def _efa_row(nnodes: int) -> Check:
         tail = (err.strip().splitlines() or out.strip().splitlines() or [f"exit {rc}"])[-1]
         return Check("EFA", f"fi_info -p efa: no efa provider ({tail})", "MISSING", fix)
     return Check("EFA", f"fi_info -p efa: {n} efa endpoint(s) for parallelism.nnodes={nnodes}")
+
+
+def titan_models_row() -> Check:
+    """torchtitan's Qwen3 package imports (in a child: it reads the device at import). On torchtitan 0.2.x it
+    imports triton (models/moe/kernels.py), which TorchNeuron does not bring."""
+    proc = subprocess.run([sys.executable, "-c", "import torchtitan.models.qwen3"], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode == 0:
+        return Check("torchtitan models", "import torchtitan.models.qwen3: ok")
+    msg = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    fix = ("pip install triton (torchtitan's MoE kernels module imports it; AWS's Qwen3 guide installs it; "
+           "requirements-neuron.txt)" if "triton" in msg else "reinstall torchtitan as README 'Trainium hosts' says")
+    return Check("torchtitan models", f"import torchtitan.models.qwen3 failed: {msg}", "MISSING", fix)

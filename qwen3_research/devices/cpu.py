@@ -1,0 +1,150 @@
+"""device=cpu: the host's CPU, gloo, and the workarounds torchtitan needs there."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import resource
+
+from qwen3_research.devices import host, peaks
+from qwen3_research.devices.registry import register
+from qwen3_research.devices.spec import Check, DeviceSpec
+
+
+def _read_vm_hwm() -> int | None:
+    """This process's peak resident set (VmHWM, bytes); resettable through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _torch_device(local_rank: int):
+    import torch
+
+    return torch.device("cpu")
+
+
+def _reset_peak_memory(dev) -> str:
+    # CPU peak memory: VmHWM, reset per run through /proc/self/clear_refs (Linux >= 4.0). Where that is refused,
+    # ru_maxrss, a whole-process figure: remember where it stood so a second run in the same process (a multirun
+    # point) does not inherit the first's peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        dev._hwm_resettable = _read_vm_hwm() is not None
+    except OSError:
+        dev._hwm_resettable = False
+    dev._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    dev._sampled_peak = 0
+    return "VmHWM" if dev._hwm_resettable else "ru_maxrss baseline"
+
+
+def _capacity_bytes(dev) -> int:
+    """The host's memory (its cgroup limit), shared by the ranks on it."""
+    return host.host_memory()[0] // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _memory_bytes(dev) -> tuple[int, int]:
+    """Resident process memory: current, and this run's peak."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    dev._sampled_peak = max(dev._sampled_peak, rss)
+    hwm = _read_vm_hwm() if dev._hwm_resettable else None
+    if hwm is not None:
+        peak = hwm
+    else:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        # A new process-wide peak was set during this run: it is this run's. Otherwise this run
+        # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
+        peak = maxrss if maxrss > dev._maxrss_at_start else dev._sampled_peak
+    return rss, max(peak, rss)
+
+
+def _peak_flops(dev, key: str, dtype) -> float:
+    return peaks.cached_cpu_peak(dtype)
+
+
+def _measured_peak(key: str) -> float:
+    """A CPU has no datasheet peak here: its own matmul rate, measured once and cached (``peaks.cached_cpu_peak``).
+    Without bf16 units (AVX2-only) bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one
+    (GUIDE §7)."""
+    return peaks.cached_cpu_peak(peaks.torch_dtype(key))
+
+
+def cpu_id() -> str:
+    """The CPU's model name and a hash of its feature flags: EPYCs of one name differ in AVX-512 / AVX512-BF16
+    (GUIDE §7), and inductor's C++ kernels are built for the host's vector ISA."""
+    name, flags = platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == platform.machine():
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value.strip()
+                if flags and name != platform.machine():
+                    break
+    except OSError:
+        pass
+    return f"{name}-isa{hashlib.sha256(flags.encode()).hexdigest()[:6]}"
+
+
+def _compile_default(is_moe: bool, mixed_precision: str, kernel_entries) -> tuple[bool, str]:
+    return False, "auto: cpu, a 20-30 s first compile outweighs short runs; compile.enable=true for long ones"
+
+
+def _device_rows(ctx) -> list[Check]:
+    return [Check("device", f"device.type={ctx.requested} -> cpu ({os.cpu_count()} cores)")]
+
+
+def _memory_row(ctx) -> Check:
+    total, source = host.host_memory()
+    n = ctx.ranks_here  # the ranks on this host share it
+    return Check("memory per rank", f"{total / n / 1024**3:.1f} GiB ({total / 1024**3:.1f} GiB {source}"
+                 + (f" / {n} ranks" if n > 1 else "") + ", cpu)", "info")
+
+
+SPEC = register(DeviceSpec(
+    kind="cpu",
+    dist_backend="gloo",
+    # a forked worker shares the parent's pages and starts in milliseconds; nothing device-side to inherit
+    start_method="fork",
+    auto_order=100,  # the fallback: always present
+    present=lambda: True,
+    available=lambda: True,
+    visible=lambda: True,
+    unavailable_reason=lambda: "",
+    local_devices=lambda lnc: 1,
+    default_precision="none",
+    # chunked: measured faster than the full loss on CPU with the same losses (benchmarks/RESULTS.md)
+    default_loss="chunked",
+    compile_backend="inductor",
+    compile_default=_compile_default,
+    compile_cache_facts=lambda probe: [cpu_id()],
+    runs_on_host=True,
+    torch_profiler=True,
+    profiler_activities=("CPU",),
+    # the CPU allocator keeps no history: the torch profiler records every allocation (profile_memory=True)
+    memory_snapshot="profiler",
+    allocator="c10 DefaultCPUAllocator over the process's malloc (allocator.py: mimalloc or tuned glibc)",
+    cpu_allocator_auto=True,
+    gloo_sum_reduction=True,  # gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses to average
+    peak_source="measured here (peaks.cached_cpu_peak)",
+    measured_peak=_measured_peak,
+    torch_device=_torch_device,
+    reset_peak_memory=_reset_peak_memory,
+    capacity_bytes=_capacity_bytes,
+    memory_bytes=_memory_bytes,
+    peak_flops=_peak_flops,
+    observed_peak=peaks.raise_cpu_peak,
+    device_rows=_device_rows,
+    memory_row=_memory_row,
+))
