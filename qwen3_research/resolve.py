@@ -45,7 +45,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import ConfigError
+from qwen3_research.errors import ConfigError, log_call
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     from qwen3_research import models
     from qwen3_research.parallel import validate_degrees
 
+    log_call("resolve_run")
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
     elsewhere = plan and ((planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None)

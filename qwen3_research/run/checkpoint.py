@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
-from qwen3_research.errors import ConfigError, TrainingError, write_failure
+from qwen3_research.errors import ConfigError, TrainingError, log_call, write_failure
 from qwen3_research.run.train_state import TrainState, unwrap
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -493,6 +493,7 @@ def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> Non
 
 def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target and init_from config."""
+    log_call("checkpoint.preflight")
     ck = rc.checkpoint
     if ck.resume:
         found = find_checkpoint(ck.resume, checkpoint_root(ck, run_dir))

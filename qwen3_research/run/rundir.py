@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from qwen3_research import slurm
-from qwen3_research.errors import ConfigError
+from qwen3_research.errors import ConfigError, log_call
 
 LOCK_NAME = ".qwen3_research.lock"
 WANDB_STATE_FILE = "wandb_run.json"
@@ -65,6 +65,7 @@ def read_summary(run_dir: Path) -> dict | None:
 
 def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> None:
     """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing."""
+    log_call("check_run_dir")
     from qwen3_research.run.checkpoint import find_checkpoint, read_meta
 
     run_dir = Path(run_dir)
