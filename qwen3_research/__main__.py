@@ -7,6 +7,7 @@ to Hydra; each point validates itself and a bad point fails alone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -120,23 +121,39 @@ def preflight_overrides(overrides: list[str]) -> None:
         _die(f"config error: {e}")
 
 
-def preflight(overrides: list[str]) -> None:
-    """Compose and resolve once (``resolve.resolve_run``: the same checks the launcher and every other entry
-    point make, the kernel targets on a meta-device model included), then the run dir; exit 2 with one line on
-    any configuration error, before Hydra creates anything."""
+# The run this process resolved before Hydra started (``preflight``), keyed by the overrides it was composed from:
+# Hydra's task function hands it to the launcher instead of resolving it again.
+_RESOLVED: tuple[tuple[str, ...], object] | None = None
+
+
+def _task_key(overrides) -> tuple[str, ...]:
+    """The overrides Hydra hands the task (``hydra.overrides.task``): those of the config, not of Hydra itself."""
+    return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def preflight(overrides: list[str]) -> str | None:
+    """Compose once and resolve once (``resolve.resolve_run``: the same checks the launcher and every other entry
+    point make, the kernel targets on a meta-device model included), then the run dir (``resolve.at_run_dir``);
+    exit 2 with one line on any configuration error, before Hydra creates anything. The result is kept for
+    Hydra's task function (``_RESOLVED``). Returns the run dir checked (None: Hydra's run resolves it, or a rank
+    other than 0 under torchrun, which gets rank 0's)."""
     from omegaconf import OmegaConf
 
+    global _RESOLVED
     try:
-        cfg = compose(overrides)
+        composed = compose(overrides, return_hydra_config=True)
+        cfg = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
         _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
         from qwen3_research import device as devices
         from qwen3_research.resolve import resolve_run
 
         # under torchrun also against the world size it started; the LNC into the environment workers inherit
         run = resolve_run(cfg, prepare=devices.prepare_launch)
-        _check_run_dir(run, overrides)
+        run = _check_run_dir(run, composed)
     except ConfigError as e:
         _die(f"config error: {e}")
+    _RESOLVED = (_task_key(overrides), run)
+    return run.run_dir
 
 
 def _quiet_c10d_retries(nnodes) -> None:
@@ -152,36 +169,34 @@ def _quiet_c10d_retries(nnodes) -> None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def _check_run_dir(run, overrides: list[str]) -> None:
-    """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
+def _check_run_dir(run, composed):
+    """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer. Returns
+    ``run`` at its run dir (``resolve.at_run_dir``), or as it is when the run dir is checked later, by the launcher."""
     from qwen3_research import models
     from qwen3_research.data import Tokenizer, tokenizer_path
-    from qwen3_research.run.rundir import AlreadyComplete, check_run_dir
+    from qwen3_research.errors import check_writable
+    from qwen3_research.resolve import at_run_dir
+    from qwen3_research.run.rundir import AlreadyComplete
 
     rc = run.rc
     spec = models.tokenizer_spec(rc)
     if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
         Tokenizer(tokenizer_path(spec))
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
-        return  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
+        return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
     try:
-        run_dir = compose(overrides, return_hydra_config=True).hydra.run.dir
+        run_dir = composed.hydra.run.dir
     except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.elastic.run checks later
-        return
-    run_dir = Path(os.path.abspath(str(run_dir)))
+        return run
     try:
-        check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
+        run = at_run_dir(run, run_dir, owner=True)
     except AlreadyComplete as done:
         print(str(done), flush=True)
         sys.exit(0)
-    from qwen3_research.errors import check_writable
-
-    check_writable(f"hydra.run.dir={run_dir}", run_dir)  # Hydra's first write there was a traceback
+    check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
     if rc.checkpoint.enable or rc.checkpoint.resume:
-        from qwen3_research.run.rundir import checkpoint_root
-
-        root = checkpoint_root(rc, run_dir)
-        check_writable(f"checkpoint.dir={root}", root)
+        check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
+    return run
 
 
 def _die(message: str) -> None:
@@ -228,8 +243,10 @@ def _task(cfg: DictConfig):
         done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
         if done is not None:
             return done
+    # The run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
+    resolved = _RESOLVED[1] if not multirun and _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
     try:
-        summary = run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name, swept=swept,
+        summary = run(cfg, hc.runtime.output_dir, resolved=resolved, wandb_group=group, wandb_name=name, swept=swept,
                       prediction=prediction)
         if multirun and "optuna" in str(hc.sweeper.get("_target_", "")):
             # Optuna minimises what the task returns: the held-out loss when there is one.
@@ -286,6 +303,10 @@ def main() -> None:
         _interrupted(signal.SIGTERM)
 
 
+def _names_run_dir(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in overrides)
+
+
 def _main() -> None:
     overrides, flags = _split_argv(sys.argv[1:])
     passthrough = bool(flags)
@@ -299,11 +320,13 @@ def _main() -> None:
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
         preflight_overrides(overrides)
     if not passthrough:
-        preflight(overrides)
+        run_dir = preflight(overrides)
         from qwen3_research.launch.elastic import torchrun_overrides, under_torchrun
 
         if under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
-            sys.argv += torchrun_overrides(overrides)
+            sys.argv += torchrun_overrides(overrides, run_dir)
+        elif run_dir is not None and not _names_run_dir(overrides):  # Hydra's run uses the dir checked (${now:})
+            sys.argv.append(f"hydra.run.dir={json.dumps(run_dir)}")
     _task()
 
 

@@ -40,12 +40,14 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, log_call
+from qwen3_research.run import checkpoint, rundir
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class ResolvedRun:
     planned_elsewhere: bool = False  # a plan for a device this host does not have (device=neuron or cuda here)
     # compile.enable resolved (compiling.decide): on/off, its reason, the keyed compile cache and whether it was warm
     compile: Any = None
+    # The run dir's facts (``at_run_dir``, once the directory is known and checked): None until then.
+    run_dir: str | None = None  # the run directory, absolute, checked (check_run_dir) in this process
+    checkpoint_root: str | None = None  # where checkpoints are written and looked for
+    resume_from: str | None = None  # the checkpoint a resume loads (None: a fresh start)
+    init_from: str | None = None  # the Hugging Face weights the model starts from (model.init_from), checked
 
     @property
     def batch_size(self) -> int:
@@ -174,6 +181,27 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision)
+
+
+def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> ResolvedRun:
+    """``run`` at ``run_dir``, checked once: the owner of the run dir (the launcher, rank 0 under torchrun) runs
+    ``rundir.check_run_dir`` (one owner, resume rules, the data layout, and ``checkpoint.preflight``: the resume
+    target's model and the ``init_from`` config); any other process only ``checkpoint.preflight``. Raises
+    ConfigError, or ``rundir.AlreadyComplete`` for a finished run asked to resume. Returns the description with
+    ``run_dir``, ``checkpoint_root``, ``resume_from`` and ``init_from`` filled in; writes nothing."""
+    run_dir = Path(os.path.abspath(str(run_dir)))
+    rc = run.rc
+    if owner:
+        found = rundir.check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
+    else:
+        found = checkpoint.find_checkpoint(rc.checkpoint.resume, checkpoint.checkpoint_root(rc.checkpoint, run_dir)) \
+            if rc.checkpoint.resume else None
+        if rc.checkpoint.resume or rc.model.init_from:
+            checkpoint.preflight(rc, run_dir)
+    return dataclasses.replace(run, run_dir=str(run_dir),
+                               checkpoint_root=str(checkpoint.checkpoint_root(rc.checkpoint, run_dir)),
+                               resume_from=str(found) if found is not None else None,
+                               init_from=rc.model.init_from or None)
 
 
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:

@@ -21,10 +21,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from qwen3_research import device as devices
 from qwen3_research import slurm
+from qwen3_research.compose import compose
 from qwen3_research.config import RunConfig
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
-from qwen3_research.resolve import ResolvedRun, resolve_run, warn_kernel_matches
+from qwen3_research.resolve import ResolvedRun, at_run_dir, resolve_run, warn_kernel_matches
+from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, discard_earlier_run, read_summary
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.trainer import RunInfo
 
@@ -38,13 +41,13 @@ def _writes_run_files() -> bool:
     return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and slurm.node_rank() == 0
 
 
-def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[str]:
+def torchrun_overrides(overrides: list[str], run_dir: str | None = None, timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
     Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
-    directory. Rank 0 resolves ``hydra.run.dir`` once and publishes it in the torchrun
-    agent's TCPStore (MASTER_ADDR:MASTER_PORT, reachable from every node); the other ranks
-    wait for it. Ranks other than 0 also write no ``.hydra/`` copy and no log file there.
+    directory. Rank 0 publishes its ``hydra.run.dir`` (``run_dir``: the one its preflight composed and checked;
+    composed here when None) in the torchrun agent's TCPStore (MASTER_ADDR:MASTER_PORT, reachable from every
+    node); the other ranks wait for it. Ranks other than 0 also write no ``.hydra/`` copy and no log file there.
     """
     import torch.distributed as dist
     from datetime import timedelta
@@ -57,10 +60,9 @@ def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[s
                           is_master=False, timeout=timedelta(seconds=timeout_s))
     key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
-        from qwen3_research.compose import compose
-
-        cfg = compose(overrides, return_hydra_config=True)
-        run_dir = os.path.abspath(str(cfg.hydra.run.dir))
+        if run_dir is None:
+            run_dir = str(compose(overrides, return_hydra_config=True).hydra.run.dir)
+        run_dir = os.path.abspath(run_dir)
         store.set(key, run_dir)
     else:
         run_dir = store.get(key).decode()  # blocks until rank 0 has set it
@@ -399,36 +401,33 @@ def _is_rendezvous_failure(e: BaseException) -> bool:
 
 
 
-def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
-        swept: dict | None = None, prediction: dict | None = None) -> dict:
-    """Resolve, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import device as devices
-    from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
+def run(cfg: DictConfig | None, run_dir: str, *, resolved: ResolvedRun | None = None, wandb_group: str | None = None,
+        wandb_name: str | None = None, swept: dict | None = None, prediction: dict | None = None) -> dict:
+    """Start the workers, write ``summary.json``; raise on failure (after recording it).
 
+    ``resolved``: the run as the entry point resolved it (``resolve.resolve_run``, and ``resolve.at_run_dir`` when
+    its ``run_dir`` is this one): nothing is resolved or checked again. Without it, ``cfg`` is resolved here."""
     t0 = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        # Every start-up check, once (the workers get the description: training.mixed_precision=auto resolved
-        # here, so the workers, summary.json and W&B get the value used)
-        resolved = resolve_run(cfg, prepare=devices.prepare_launch)  # and the LNC into the environment workers inherit
-        rc = resolved.rc
-        if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
-            refused = True  # until this process owns the run dir, a refusal writes nothing there
+        if resolved is None:  # every start-up check, once (the workers get the description)
+            resolved = resolve_run(cfg, prepare=devices.prepare_launch)  # and the LNC into the environment workers inherit
+        owner = _writes_run_files()  # one owner per run dir: this process (rank 0 / first node) holds the lock
+        refused = owner  # until this process owns the run dir, a refusal writes nothing there
+        if resolved.run_dir != os.path.abspath(run_path):  # not checked at this run dir yet
             try:
-                check_run_dir(rc, run_path, dp=resolved.degrees.dp, batch_size=resolved.batch_size)
+                resolved = at_run_dir(resolved, run_path, owner=owner)
             except AlreadyComplete as done:  # a sweep point that finished before: report it, write nothing
                 print(str(done), flush=True)
                 return read_summary(run_path) or {"status": "ok"}
+        rc = resolved.rc
+        if owner:
             lock = RunDirLock(run_path).acquire()
             refused = False
             if rc.checkpoint.overwrite and not rc.checkpoint.resume:
                 discard_earlier_run(rc, run_path)
-        if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
-            from qwen3_research.run.checkpoint import preflight
-
-            preflight(rc, run_path)
         if _writes_run_files() and resolved.compile is not None:
             print(resolved.compile.describe(), flush=True)  # decided once at resolution, with its reason
         if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
