@@ -45,9 +45,16 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research import compiling
+from qwen3_research import device as devices
+from qwen3_research import models, slurm
+from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, log_call
 from qwen3_research.host import device_kind_before_torch
+from qwen3_research.kernels import KernelMatchWarning, kernel_support
+from qwen3_research.kernels import resolve as resolve_kernels
+from qwen3_research.kernels.registry import planning_for
+from qwen3_research.models import registry
 from qwen3_research.parallel import has_fsdp_units, validate_degrees
 from qwen3_research.run import checkpoint, rundir
 
@@ -201,9 +208,6 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
       (``device.prepare_launch``), called once those are resolved and before the torchtitan and kernel checks,
       which may import the device's runtime (TorchNeuron reads the LNC once).
     """
-    from qwen3_research import device as devices
-    from qwen3_research import models
-
     log_call("resolve_run")
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
@@ -217,9 +221,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
         raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
                           "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
     if elsewhere and planned == "cuda":
-        from qwen3_research.device import planned_gpu
-
-        planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
+        devices.planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
     models.check(rc.model)  # the model backend's own rules (its spec)
     facts = models.describe(rc.model)
 
@@ -237,8 +239,6 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     batch_size = resolve_batch_size(rc, degrees.dp)
     config = {**config, "data": {**config["data"], "batch_size": batch_size}}
     rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
-    from qwen3_research import compiling
-
     spec = models.check(rc.model)
     tp_blocker = None if degrees.tp == 1 else ("a MoE model" if facts.get("is_moe") else
                                                None if spec.compiles_under_tp else f"model={spec.name}")
@@ -292,8 +292,6 @@ def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> Resolve
 
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:
     """``kernels.kernel_support`` for the run's entries on its device: what each needs that this host lacks."""
-    from qwen3_research.kernels import kernel_support
-
     return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
 
 
@@ -311,11 +309,6 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
 
     import torch
 
-    from qwen3_research import device as devices
-    from qwen3_research import models
-    from qwen3_research.kernels import KernelMatchWarning, resolve
-    from qwen3_research.kernels.registry import planning_for
-
     devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
     meta = torch.device("meta")
     with warnings.catch_warnings(record=True) as caught:
@@ -324,9 +317,9 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
         device = SimpleNamespace(type=device_type, lnc=lnc or devices.LNC_DEFAULT_NEURON, torch_device=meta)
         if planning:  # checked for, and shaped as, the planned device (the planner traces the same way)
             with planning_for(device_type, lnc):
-                plan = resolve(backend.model, rc, device)
+                plan = resolve_kernels(backend.model, rc, device)
         else:
-            plan = resolve(backend.model, rc, device)
+            plan = resolve_kernels(backend.model, rc, device)
     matches = tuple(str(w.message) for w in caught if issubclass(w.category, KernelMatchWarning))
     for w in caught:  # anything else the build warned about is shown as it would have been
         if not issubclass(w.category, KernelMatchWarning):
@@ -337,8 +330,6 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
 def warn_kernel_matches(messages) -> None:
     """Show the no-match warnings of a resolution (``kernel_warnings``) where no worker will resolve the entries
     again (the validate-only hook, the doctor)."""
-    from qwen3_research.kernels import KernelMatchWarning
-
     for msg in messages:
         warnings.warn(msg, KernelMatchWarning, stacklevel=2)
 
@@ -441,8 +432,6 @@ def _balance_for_export(cfg: dict) -> dict:
     default is the expert bias. Hugging Face's Qwen3-MoE has no expert bias: torchtitan adds it to the router's
     scores only to choose the experts (the gate weights stay unbiased), so no change of the router weights carries
     it and the exported model would route differently (``models.check_run`` refuses balance=bias there)."""
-    from qwen3_research.models import registry
-
     model, ck = cfg.get("model") or {}, cfg.get("checkpoint") or {}
     moe = model.get("moe") or {}
     if not ck.get("export_hf") or moe.get("balance", "auto") != "auto" or not model.get("backend"):
@@ -459,8 +448,6 @@ def _balance_for_export(cfg: dict) -> dict:
 def _loss_for_backend(cfg: dict) -> dict:
     """``training.loss``: the chunked loss (auto's choice on cpu) only for a backend that has one
     (``BackendSpec.chunked_loss``); auto is then the full loss, and chunked asked for is a config error."""
-    from qwen3_research.models import registry
-
     training, model = cfg.get("training") or {}, cfg.get("model") or {}
     loss = training.get("loss", "auto")
     if loss not in ("auto", "chunked") or not model.get("backend"):
@@ -480,8 +467,6 @@ def _loss_for_backend(cfg: dict) -> dict:
 def _resume_when_requeued(resolved: dict) -> dict:
     """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its run dir's
     latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
-    from qwen3_research import slurm
-
     ck = resolved.get("checkpoint") or {}
     if slurm.restart_count() > 0 and not ck.get("resume"):
         return {**resolved, "checkpoint": {**ck, "resume": "auto"}}
@@ -491,8 +476,6 @@ def _resume_when_requeued(resolved: dict) -> dict:
 def _check_cpu_ranks(nproc: int, cores: int) -> None:
     """A CPU run starts at most ``CPU_RANKS_PER_CORE`` ranks per core of this host unless told to
     (``parallelism.oversubscribe=true``); a plan is not refused (it may be for a larger host)."""
-    from qwen3_research.config import CPU_RANKS_PER_CORE
-
     if nproc > CPU_RANKS_PER_CORE * cores:
         raise ConfigError(
             f"parallelism.nproc_per_node={nproc} starts {nproc} CPU ranks on the {cores} core(s) this process may use, "
