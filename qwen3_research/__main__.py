@@ -7,6 +7,7 @@ to Hydra; each point validates itself and a bad point fails alone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -20,11 +21,17 @@ if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, o
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research import slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
-from qwen3_research.config import ConfigError, register_configs
+from qwen3_research.config import register_configs
+from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
+from qwen3_research.launch.slurm import preflight as slurm_preflight
+from qwen3_research.launch.sweep import (parse_overrides, prepare_point, stop_sweep, swept_keys_of_this_sweep,
+                                         wandb_group)
+from qwen3_research.signals import Interrupted, Terminated, raise_terminated, signal_number
+from qwen3_research.startup import quiet_libraries
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -120,23 +127,44 @@ def preflight_overrides(overrides: list[str]) -> None:
         _die(f"config error: {e}")
 
 
-def preflight(overrides: list[str]) -> None:
-    """Compose and resolve once (``resolve.resolve_run``: the same checks the launcher and every other entry
-    point make, the kernel targets on a meta-device model included), then the run dir; exit 2 with one line on
-    any configuration error, before Hydra creates anything."""
-    from omegaconf import OmegaConf
+# The run this process resolved before Hydra started (``preflight``), keyed by the overrides it was composed from:
+# Hydra's task function hands it to the launcher instead of resolving it again.
+_RESOLVED: tuple[tuple[str, ...], object] | None = None
 
+
+def _task_key(overrides) -> tuple[str, ...]:
+    """The overrides Hydra hands the task (``hydra.overrides.task``): those of the config, not of Hydra itself."""
+    return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def preflight(overrides: list[str]) -> str | None:
+    """Compose once and resolve once (``launch.elastic.resolve_before_hydra``: ``resolve.resolve_run``, the same
+    checks the launcher and every other entry point make, the kernel targets on a meta-device model included, then
+    the run dir); exit 2 with one line on any configuration error, before Hydra creates anything. The result is
+    kept for Hydra's task function (``_RESOLVED``). Returns the run dir checked (None: Hydra's run resolves it, or
+    a rank other than 0 under torchrun, which gets rank 0's)."""
+    global _RESOLVED
     try:
-        cfg = compose(overrides)
+        composed = compose(overrides, return_hydra_config=True)
+        cfg = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
         _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
-        from qwen3_research import device as devices
-        from qwen3_research.resolve import resolve_run
-
-        # under torchrun also against the world size it started; the LNC into the environment workers inherit
-        run = resolve_run(cfg, prepare=devices.prepare_launch)
-        _check_run_dir(run, overrides)
+        try:
+            run_dir = str(composed.hydra.run.dir)
+        except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.elastic.run checks it
+            run_dir = None
+        run = _launch().resolve_before_hydra(cfg, run_dir)
     except ConfigError as e:
         _die(f"config error: {e}")
+    _RESOLVED = (_task_key(overrides), run)
+    return run.run_dir
+
+
+def _launch():
+    """The launcher (``launch.elastic``: torch, the Trainer, the models)."""
+    # deferred: start-up (a bad override, key or value exits with one line before torch loads)
+    from qwen3_research.launch import elastic
+
+    return elastic
 
 
 def _quiet_c10d_retries(nnodes) -> None:
@@ -152,38 +180,6 @@ def _quiet_c10d_retries(nnodes) -> None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def _check_run_dir(run, overrides: list[str]) -> None:
-    """Before Hydra creates (or writes into) the run dir: one owner, resume rules, a usable tokenizer."""
-    from qwen3_research import models
-    from qwen3_research.data import Tokenizer, tokenizer_path
-    from qwen3_research.run.rundir import AlreadyComplete, check_run_dir
-
-    rc = run.rc
-    spec = models.tokenizer_spec(rc)
-    if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
-        Tokenizer(tokenizer_path(spec))
-    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
-        return  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
-    try:
-        run_dir = compose(overrides, return_hydra_config=True).hydra.run.dir
-    except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.elastic.run checks later
-        return
-    run_dir = Path(os.path.abspath(str(run_dir)))
-    try:
-        check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
-    except AlreadyComplete as done:
-        print(str(done), flush=True)
-        sys.exit(0)
-    from qwen3_research.errors import check_writable
-
-    check_writable(f"hydra.run.dir={run_dir}", run_dir)  # Hydra's first write there was a traceback
-    if rc.checkpoint.enable or rc.checkpoint.resume:
-        from qwen3_research.run.rundir import checkpoint_root
-
-        root = checkpoint_root(rc, run_dir)
-        check_writable(f"checkpoint.dir={root}", root)
-
-
 def _die(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     sys.exit(EXIT_CONFIG)
@@ -192,10 +188,6 @@ def _die(message: str) -> None:
 def _wandb_identity() -> tuple[str | None, str | None, dict]:
     """Multirun: one group per sweep (its directory, fixed once), a run name and the swept keys
     from the point's overrides."""
-    from omegaconf import OmegaConf
-
-    from qwen3_research.launch.sweep import parse_overrides, swept_keys_of_this_sweep, wandb_group
-
     hc = HydraConfig.get()
     if hc.mode.name != "MULTIRUN":
         return None, None, {}
@@ -212,24 +204,19 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig):
-    from qwen3_research.errors import ExportError, TrainingError, WorkerGroupError
-    from qwen3_research.launch.elastic import run
-    from qwen3_research.signals import Interrupted, Terminated, signal_number
-    from qwen3_research.startup import quiet_libraries
-
     quiet_libraries()  # after Hydra configured this job's logging
     hc = HydraConfig.get()
     group, name, swept = _wandb_identity()
     multirun = hc.mode.name == "MULTIRUN"
     prediction = None
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
-        from qwen3_research.launch.sweep import prepare_point
-
         done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
         if done is not None:
             return done
+    # The run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
+    resolved = _RESOLVED[1] if not multirun and _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
     try:
-        summary = run(cfg, hc.runtime.output_dir, wandb_group=group, wandb_name=name, swept=swept,
+        summary = _launch().run(cfg, hc.runtime.output_dir, resolved=resolved, wandb_group=group, wandb_name=name, swept=swept,
                       prediction=prediction)
         if multirun and "optuna" in str(hc.sweeper.get("_target_", "")):
             # Optuna minimises what the task returns: the held-out loss when there is one.
@@ -243,8 +230,6 @@ def _task(cfg: DictConfig):
                 print(str(e), file=sys.stderr, flush=True)
             sys.exit(128 + signal_number(e))
         if multirun:  # a signal stops the whole sweep, not only this point (the point saved as a run does)
-            from qwen3_research.launch.sweep import stop_sweep
-
             sys.exit(stop_sweep(Path(hc.sweep.dir), hc.runtime.output_dir, e))
         if isinstance(e, Interrupted):
             print(str(e), file=sys.stderr, flush=True)
@@ -272,8 +257,6 @@ def _interrupted(signum: int) -> None:
 
 
 def main() -> None:
-    from qwen3_research.signals import Terminated, raise_terminated
-
     # From here Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated; inside the training loop both
     # only ask the loop to stop after the step (qwen3_research.signals.StopOnSignal).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -286,12 +269,14 @@ def main() -> None:
         _interrupted(signal.SIGTERM)
 
 
+def _names_run_dir(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in overrides)
+
+
 def _main() -> None:
     overrides, flags = _split_argv(sys.argv[1:])
     passthrough = bool(flags)
     check_override_syntax(overrides)
-    from qwen3_research.launch.slurm import preflight as slurm_preflight
-
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
         slurm_preflight(overrides)
     except ConfigError as e:
@@ -299,11 +284,11 @@ def _main() -> None:
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
         preflight_overrides(overrides)
     if not passthrough:
-        preflight(overrides)
-        from qwen3_research.launch.elastic import torchrun_overrides, under_torchrun
-
-        if under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
-            sys.argv += torchrun_overrides(overrides)
+        run_dir = preflight(overrides)
+        if _launch().under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
+            sys.argv += _launch().torchrun_overrides(overrides, run_dir)
+        elif run_dir is not None and not _names_run_dir(overrides):  # Hydra's run uses the dir checked (${now:})
+            sys.argv.append(f"hydra.run.dir={json.dumps(run_dir)}")
     _task()
 
 

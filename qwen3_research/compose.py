@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qwen3_research.config import register_configs
-from qwen3_research.errors import ConfigError
+from qwen3_research.errors import ConfigError, log_call
 
 
 def find_conf_dir() -> str:
@@ -46,6 +46,7 @@ def compose(overrides: list[str], *, config_name: str = "config", searchpath: li
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    log_call("compose")
     register_configs()  # the schemas the YAML options extend (idempotent)
     gh = GlobalHydra.instance()
     outer = gh.hydra if gh.is_initialized() else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import math
 import os
 import re
@@ -198,13 +197,13 @@ class TrainingConfig:
     # none | bf16: sharded layouts as torchtitan and AWS's recipes (FSDP2 gathers bf16 copies of the float32
     # parameters for forward/backward, reduces gradients in float32, float32 AdamW state: parallel.py), one process
     # autocast over float32 parameters | auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere; resolved once
-    # at start-up (resolve_auto_settings)
+    # at start-up (resolve.auto_settings)
     mixed_precision: str = "auto"
     nan_policy: str = "stop"  # stop | skip
     fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
     # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss) | auto: chunked on cpu
     # (measured: faster and smaller, the same losses; benchmarks/RESULTS.md), full on cuda and neuron (not measured
-    # there); resolved once at start-up (resolve_auto_settings)
+    # there); resolved once at start-up (resolve.auto_settings)
     loss: str = "auto"
     loss_chunk_tokens: int = 1024  # training.loss=chunked: tokens per chunk (logits alive: this × vocab floats)
     track_memory: bool = False  # record the peak live tensor bytes per rank (torch's MemTracker) in summary.json
@@ -285,7 +284,7 @@ def to_run_config(cfg: dict | DictConfig) -> RunConfig:
     try:  # resolving can fail too: an interpolation loop (training.steps=${training.steps}), a missing key
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
-        cfg = resolve_auto_settings({k: v for k, v in cfg.items() if k != "hydra"})
+        cfg = {k: v for k, v in cfg.items() if k != "hydra"}
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -293,43 +292,6 @@ def to_run_config(cfg: dict | DictConfig) -> RunConfig:
         if msg.startswith("Recursive interpolation"):
             msg += f" (a ${{...}} loop back to {key}); give {key} a value"
         raise ConfigError(f"{key}: {msg}") from None
-
-
-def runs_on_neuron(device_type: str) -> bool:
-    """Whether ``device.type`` means a Trainium run: ``neuron``, or ``auto`` where TorchNeuron is installed
-    (the same rule as ``device.requested_device_kind``, without importing torch)."""
-    return device_type == "neuron" or (device_type == "auto" and importlib.util.find_spec("torch_neuronx") is not None)
-
-
-def resolve_auto_settings(resolved: dict) -> dict:
-    """``resolved`` (a plain config dict) with ``training.mixed_precision=auto`` replaced by the value this run
-    uses: bf16 on neuron, as AWS's Trainium recipes (torchtitan's ``mixed_precision_param`` default, bfloat16, in
-    parmoham-aws/test-repo-parmoham docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml); none on cpu and cuda. Call it
-    before anything reads the config (a plan traces on CPU and must keep the Trainium value), so summary.json
-    and W&B record the resolved value. A config option writes only its own section, so device=neuron cannot set
-    this itself (tests/test_config.py::test_group_options_extend_their_schema)."""
-    training = resolved.get("training", {})
-    if not isinstance(training, dict):
-        return resolved
-    device_type = (resolved.get("device") or {}).get("type", "auto")
-    changed = {}
-    if training.get("mixed_precision", "auto") == "auto":  # absent: the default
-        changed["mixed_precision"] = auto_mixed_precision(device_type)
-    if training.get("loss", "auto") == "auto":
-        changed["loss"] = auto_loss(device_type)
-    return {**resolved, "training": {**training, **changed}} if changed else resolved
-
-
-def auto_mixed_precision(device_type: str) -> str:
-    return "bf16" if runs_on_neuron(device_type) else "none"
-
-
-def auto_loss(device_type: str) -> str:
-    """training.loss=auto: chunked on cpu, where it was measured faster than the full loss with the same losses
-    (benchmarks/RESULTS.md); full on cuda and neuron, where it has not been measured (README, "Config reference")."""
-    from qwen3_research.host import device_kind_before_torch
-
-    return "chunked" if device_kind_before_torch(device_type) == "cpu" else "full"
 
 
 def resolve_batch_size(cfg: RunConfig, dp: int) -> int:
@@ -411,10 +373,6 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
-    if cfg.training.mixed_precision == "auto":  # not through to_run_config (a RunConfig built in code)
-        cfg.training.mixed_precision = auto_mixed_precision(cfg.device.type)
-    if cfg.training.loss == "auto":
-        cfg.training.loss = auto_loss(cfg.device.type)
     if cfg.compile.enable not in ("auto", True, False):
         raise ConfigError(f"compile.enable must be auto, true or false, got {cfg.compile.enable!r}")
 
@@ -488,11 +446,6 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError("data.hf.name is required with data=hf: a datasets Hub id or local path")
 
     _choice("device.type", cfg.device.type, {"auto", "cpu", "cuda", "neuron"})
-    if cfg.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:
-        raise ConfigError(
-            "device.type=neuron needs TorchNeuron (torch_neuronx from AWS's Neuron package index) on a "
-            "Trainium host; it is not installed here. Use device=cpu or device=cuda (README: 'Trainium hosts')"
-        )
     ck = cfg.checkpoint
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
@@ -518,13 +471,13 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("training.eval_every", t.eval_every, allow_zero=True)
     _positive("training.eval_batches", t.eval_batches)
     _positive("training.grad_accum", t.grad_accum)
-    _choice("training.mixed_precision", t.mixed_precision, {"none", "bf16"})
+    _choice("training.mixed_precision", t.mixed_precision, {"auto", "none", "bf16"})
     _choice("training.nan_policy", t.nan_policy, {"stop", "skip"})
-    _choice("training.loss", t.loss, {"full", "chunked"})
+    _choice("training.loss", t.loss, {"auto", "full", "chunked"})
     if cfg.sweep.plan not in (True, False, "fit"):
         raise ConfigError(f"sweep.plan={cfg.sweep.plan!r} is not one of true, false, fit")
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
-    _validate_profiling(cfg.profiling, t.steps, cfg.device.type)
+    _validate_profiling(cfg.profiling, t.steps)
     if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:
         raise ConfigError(
             f"device.memory_gib must be > 0 (GiB per rank, e.g. 24 for a trn2 rank at LNC=2), got "
@@ -533,20 +486,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     return cfg
 
 
-def _validate_profiling(p: ProfilingConfig, total_steps: int, device_type: str) -> None:
-    """profiling.*: the step window inside the run, and each device's own capture asked for on that device only."""
+def _validate_profiling(p: ProfilingConfig, total_steps: int) -> None:
+    """profiling.steps: the step window inside the run (what each device's own capture allows: ``resolve``)."""
     if p.steps:
         if len(p.steps) != 2 or not 1 <= p.steps[0] <= p.steps[1] <= total_steps:
             raise ConfigError(f"profiling.steps={list(p.steps)} must be [a,b] with 1 <= a <= b <= training.steps={total_steps} "
                               "(the first and last training step to profile, inclusive), e.g. profiling.steps=[2,3]")
-    on_neuron = runs_on_neuron(device_type)
     if p.neuron_device_profile is not None:
         _choice("profiling.neuron_device_profile", p.neuron_device_profile, {"model", "session"})
-        if not on_neuron:
-            raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "
-                              f"(NEURON_RT_INSPECT_DEVICE_PROFILE) and device.type={device_type} is not neuron; leave it unset "
-                              "(profiling.steps gives a torch profiler trace on cpu and cuda)")
-    if p.memory_snapshot and on_neuron:
-        raise ConfigError("profiling.memory_snapshot=true has no Neuron equivalent (the snapshot is PyTorch's CUDA/CPU "
-                          "allocator record); on neuron set profiling.steps=[a,b]: the Neuron runtime profile shows "
-                          "device memory")

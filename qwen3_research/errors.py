@@ -11,6 +11,21 @@ import os
 import shutil
 
 
+CALL_LOG_ENV = "QWEN3_RESEARCH_CALL_LOG"
+
+
+def log_call(name: str) -> None:
+    """Test hook: with ``QWEN3_RESEARCH_CALL_LOG=<file>`` set, append ``<pid> <role> <name>`` to that file (role:
+    ``rank<N>`` in a worker, else ``main``), so a test counts how often one process composes, resolves and checks
+    (tests/test_resolve.py: once each per process). Nothing is written without the variable."""
+    path = os.environ.get(CALL_LOG_ENV)
+    if not path:
+        return
+    role = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "main"
+    with open(path, "a") as f:  # one short line per write: appends from several processes stay whole lines
+        f.write(f"{os.getpid()} {role} {name}\n")
+
+
 class ConfigError(ValueError):
     """A configuration problem the user must fix; printed as one line, exit status 2."""
 

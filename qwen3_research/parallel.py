@@ -213,7 +213,7 @@ def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compi
     recipes: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (torchtitan's
     ``mixed_precision_param`` / ``mixed_precision_reduce``), i.e. bf16 copies of the parameters gathered for forward
     and backward (half the gathered bytes and all-gather volume), float32 master weights, gradients reduced and kept
-    in float32, float32 AdamW state; no autocast (``Trainer._precision_mode``). One process keeps autocast over
+    in float32, float32 AdamW state; no autocast (``resolve.PrecisionPlan``). One process keeps autocast over
     float32 parameters."""
     from qwen3_research import titan
 
@@ -221,6 +221,21 @@ def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compi
         d, activation_checkpoint=activation_checkpoint, compile_backend=compile_cfg.backend or "inductor",
         mixed_precision=mixed_precision, run_dir=run_dir,
     )
+
+
+def has_fsdp_units(d: Degrees, *, torchtitan: bool) -> bool:
+    """Whether the sharded model of this layout has FSDP2 units, i.e. where ``training.mixed_precision=bf16`` is FSDP2's
+    bf16 parameter copies rather than autocast (``resolve.precision_plan`` decides on it; ``PrecisionPlan.check``
+    compares the built model). torchtitan 0.3.x wraps every sharded layout (``apply_fsdp_to_decoder``), 0.2.x only
+    with dp_shard > 1 (its ``fsdp_enabled``; dp_replicate alone is DDP, tp alone has none); the HF backend wraps
+    with dp_shard or dp_replicate > 1 (``HFModel.parallelize``)."""
+    from qwen3_research import titan
+
+    if not d.sharded:
+        return False
+    if torchtitan:
+        return d.dp_shard > 1 or not titan.legacy()
+    return d.dp_shard > 1 or d.dp_replicate > 1
 
 
 def fsdp_precision(model) -> tuple[str, str] | None:

@@ -40,12 +40,92 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research.config import RunConfig, resolve_auto_settings, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import ConfigError
+from qwen3_research import compiling
+from qwen3_research import device as devices
+from qwen3_research import models, slurm
+from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.errors import ConfigError, log_call
+from qwen3_research.host import device_kind_before_torch
+from qwen3_research.kernels import KernelMatchWarning, kernel_support
+from qwen3_research.kernels import resolve as resolve_kernels
+from qwen3_research.kernels.registry import planning_for
+from qwen3_research.models import registry
+from qwen3_research.parallel import has_fsdp_units, validate_degrees
+from qwen3_research.run import checkpoint, rundir
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How ``training.mixed_precision`` is carried out, decided once at resolution (``precision_plan``).
+
+    - ``float32``: float32 parameters, reduction and master weights, no autocast (``training.mixed_precision=none``);
+    - ``fsdp2_bf16_params`` (bf16 where the layout has FSDP2 units, ``parallel.has_fsdp_units``): FSDP2's
+      ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` as torchtitan and AWS's Trainium recipes,
+      float32 master weights, no autocast on top (torchtitan's ``maybe_enable_amp`` does the same);
+    - ``autocast_bf16`` (bf16 on one process, or a layout without FSDP2 units): autocast to bfloat16 over float32
+      parameters.
+
+    The Trainer applies it (``parallel.torchtitan_training_configs`` takes ``setting``; ``autocast`` is the step's
+    autocast) and then ``check``s the built model against it."""
+
+    mode: str  # float32 | fsdp2_bf16_params | autocast_bf16
+    param_dtype: str  # the parameters forward and backward compute with (FSDP2's gathered copies where sharded)
+    reduce_dtype: str  # the gradients' reduction over the data-parallel ranks
+    master_dtype: str  # the parameters the optimizer updates
+    autocast: bool  # the step runs under autocast to bfloat16
+    reason: str  # why this mode (the setting, and the layout)
+
+    @property
+    def setting(self) -> str:
+        """``training.mixed_precision`` as resolved: bf16 or none."""
+        return "none" if self.mode == "float32" else "bf16"
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the matmuls run in (the device's peak FLOPs are read for it)."""
+        return "float32" if self.mode == "float32" else "bfloat16"
+
+    def summary(self) -> dict:
+        """summary.json's and metrics' ``precision``: the mode, the FSDP2 policy's dtypes where it has one, the master
+        dtype."""
+        if self.mode == "fsdp2_bf16_params":
+            return {"mode": self.mode, "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype,
+                    "master_dtype": self.master_dtype}
+        return {"mode": self.mode, "master_dtype": self.master_dtype}
+
+    def check(self, fsdp_policy: tuple[str, str] | None, master_dtype: str) -> None:
+        """Raise when the built model does not carry out this plan: ``fsdp_policy`` is (param_dtype, reduce_dtype)
+        of its FSDP2 units (``parallel.fsdp_precision``; None: it has none), ``master_dtype`` its parameters' dtype."""
+        expected = (self.param_dtype, self.reduce_dtype) if self.mode != "autocast_bf16" else None
+        problems = []
+        if self.mode == "fsdp2_bf16_params" and fsdp_policy is None:
+            problems.append("the model has no FSDP2 units")
+        elif fsdp_policy is not None and fsdp_policy != expected:
+            problems.append(f"its FSDP2 units gather {fsdp_policy[0]} and reduce in {fsdp_policy[1]}"
+                            + ("" if expected else " (autocast expected no FSDP2 units)"))
+        if master_dtype != self.master_dtype:
+            problems.append(f"its parameters are {master_dtype}")
+        if problems:
+            raise RuntimeError(f"the built model does not match the precision plan {self.summary()} ({self.reason}): "
+                               f"{'; '.join(problems)}")
+
+
+def precision_plan(mixed_precision: str, degrees, *, torchtitan: bool) -> PrecisionPlan:
+    """``training.mixed_precision`` (resolved: bf16 or none) in the run's layout -> its ``PrecisionPlan``."""
+    if mixed_precision != "bf16":
+        return PrecisionPlan("float32", "float32", "float32", "float32", autocast=False,
+                             reason=f"training.mixed_precision={mixed_precision}")
+    if has_fsdp_units(degrees, torchtitan=torchtitan):
+        return PrecisionPlan("fsdp2_bf16_params", "bfloat16", "float32", "float32", autocast=False,
+                             reason=f"training.mixed_precision=bf16 with FSDP2 units ({degrees.describe()})")
+    where = "one process" if not degrees.sharded else f"{degrees.describe()}: no FSDP2 units"
+    return PrecisionPlan("autocast_bf16", "float32", "float32", "float32", autocast=True,
+                         reason=f"training.mixed_precision=bf16 on {where}: autocast over float32 parameters")
 
 
 @dataclass(frozen=True)
@@ -72,6 +152,12 @@ class ResolvedRun:
     planned_elsewhere: bool = False  # a plan for a device this host does not have (device=neuron or cuda here)
     # compile.enable resolved (compiling.decide): on/off, its reason, the keyed compile cache and whether it was warm
     compile: Any = None
+    precision: PrecisionPlan | None = None  # training.mixed_precision as carried out (precision_plan)
+    # The run dir's facts (``at_run_dir``, once the directory is known and checked): None until then.
+    run_dir: str | None = None  # the run directory, absolute, checked (check_run_dir) in this process
+    checkpoint_root: str | None = None  # where checkpoints are written and looked for
+    resume_from: str | None = None  # the checkpoint a resume loads (None: a fresh start)
+    init_from: str | None = None  # the Hugging Face weights the model starts from (model.init_from), checked
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +167,18 @@ class ResolvedRun:
     @property
     def mixed_precision(self) -> str:
         return self.rc.training.mixed_precision
+
+    @property
+    def device_kind(self) -> str:
+        """cpu | cuda | neuron: the device the run uses (``device.type=auto`` resolved); read this, never
+        ``rc.device.type``, after resolution."""
+        return self.device_type
+
+    @property
+    def loss(self) -> str:
+        """``training.loss`` as resolved: full or chunked (auto filled in by ``auto_settings``, and
+        ``_loss_for_backend``)."""
+        return self.rc.training.loss
 
     @property
     def world_size(self) -> int:
@@ -110,10 +208,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
       (``device.prepare_launch``), called once those are resolved and before the torchtitan and kernel checks,
       which may import the device's runtime (TorchNeuron reads the LNC once).
     """
-    from qwen3_research import device as devices
-    from qwen3_research import models
-    from qwen3_research.parallel import validate_degrees
-
+    log_call("resolve_run")
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
     elsewhere = plan and ((planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None)
@@ -121,13 +216,12 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
     checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
     rc = validate(to_run_config(checked))
+    check_device_settings(rc)
     if elsewhere and planned == "neuron" and rc.device.memory_gib is None:
         raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
                           "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
     if elsewhere and planned == "cuda":
-        from qwen3_research.device import planned_gpu
-
-        planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
+        devices.planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
     models.check(rc.model)  # the model backend's own rules (its spec)
     facts = models.describe(rc.model)
 
@@ -145,8 +239,6 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     batch_size = resolve_batch_size(rc, degrees.dp)
     config = {**config, "data": {**config["data"], "batch_size": batch_size}}
     rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
-    from qwen3_research import compiling
-
     spec = models.check(rc.model)
     tp_blocker = None if degrees.tp == 1 else ("a MoE model" if facts.get("is_moe") else
                                                None if spec.compiles_under_tp else f"model={spec.name}")
@@ -170,15 +262,36 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
         else:
             planning = plan and (planned == "neuron" or (planned == "cuda" and elsewhere))
             targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
+    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
-                       kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision)
+                       kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
+                       precision=precision)
+
+
+def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> ResolvedRun:
+    """``run`` at ``run_dir``, checked once: the owner of the run dir (the launcher, rank 0 under torchrun) runs
+    ``rundir.check_run_dir`` (one owner, resume rules, the data layout, and ``checkpoint.preflight``: the resume
+    target's model and the ``init_from`` config); any other process only ``checkpoint.preflight``. Raises
+    ConfigError, or ``rundir.AlreadyComplete`` for a finished run asked to resume. Returns the description with
+    ``run_dir``, ``checkpoint_root``, ``resume_from`` and ``init_from`` filled in; writes nothing."""
+    run_dir = Path(os.path.abspath(str(run_dir)))
+    rc = run.rc
+    if owner:
+        found = rundir.check_run_dir(rc, run_dir, dp=run.degrees.dp, batch_size=run.batch_size)
+    else:
+        found = checkpoint.find_checkpoint(rc.checkpoint.resume, checkpoint.checkpoint_root(rc.checkpoint, run_dir)) \
+            if rc.checkpoint.resume else None
+        if rc.checkpoint.resume or rc.model.init_from:
+            checkpoint.preflight(rc, run_dir)
+    return dataclasses.replace(run, run_dir=str(run_dir),
+                               checkpoint_root=str(checkpoint.checkpoint_root(rc.checkpoint, run_dir)),
+                               resume_from=str(found) if found is not None else None,
+                               init_from=rc.model.init_from or None)
 
 
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:
     """``kernels.kernel_support`` for the run's entries on its device: what each needs that this host lacks."""
-    from qwen3_research.kernels import kernel_support
-
     return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
 
 
@@ -196,11 +309,6 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
 
     import torch
 
-    from qwen3_research import device as devices
-    from qwen3_research import models
-    from qwen3_research.kernels import KernelMatchWarning, resolve
-    from qwen3_research.kernels.registry import planning_for
-
     devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
     meta = torch.device("meta")
     with warnings.catch_warnings(record=True) as caught:
@@ -209,9 +317,9 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
         device = SimpleNamespace(type=device_type, lnc=lnc or devices.LNC_DEFAULT_NEURON, torch_device=meta)
         if planning:  # checked for, and shaped as, the planned device (the planner traces the same way)
             with planning_for(device_type, lnc):
-                plan = resolve(backend.model, rc, device)
+                plan = resolve_kernels(backend.model, rc, device)
         else:
-            plan = resolve(backend.model, rc, device)
+            plan = resolve_kernels(backend.model, rc, device)
     matches = tuple(str(w.message) for w in caught if issubclass(w.category, KernelMatchWarning))
     for w in caught:  # anything else the build warned about is shown as it would have been
         if not issubclass(w.category, KernelMatchWarning):
@@ -222,8 +330,6 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
 def warn_kernel_matches(messages) -> None:
     """Show the no-match warnings of a resolution (``kernel_warnings``) where no worker will resolve the entries
     again (the validate-only hook, the doctor)."""
-    from qwen3_research.kernels import KernelMatchWarning
-
     for msg in messages:
         warnings.warn(msg, KernelMatchWarning, stacklevel=2)
 
@@ -243,7 +349,82 @@ def _resolved_dict(cfg: DictConfig | dict | RunConfig) -> dict:
     else:
         cfg = copy.deepcopy(cfg)  # the caller's dict is never written
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}
-    return _resume_when_requeued(resolve_auto_settings(_balance_for_export(_loss_for_backend(cfg))))
+    return _resume_when_requeued(auto_settings(_balance_for_export(_loss_for_backend(cfg))))
+
+
+# -- what depends on the device kind: one table (the devices package's DeviceSpec fields when it lands) ------------
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What a device kind decides for a run that leaves it to ``auto``, and what it can capture."""
+
+    precision: str  # training.mixed_precision=auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere
+    loss: str  # training.loss=auto: chunked on cpu (measured faster, benchmarks/RESULTS.md), full where not measured
+    torch_profiler: bool  # profiling.steps gives a torch profiler trace (neuron: the Neuron runtime's capture)
+    memory_snapshot: bool  # profiling.memory_snapshot (PyTorch's CUDA/CPU allocator record)
+    unavailable: Callable[[], str | None] = lambda: None  # why this host cannot run it (None: it can)
+
+
+def _torchneuron_missing() -> str | None:
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return ("device.type=neuron needs TorchNeuron (torch_neuronx from AWS's Neuron package index) on a "
+                "Trainium host; it is not installed here. Use device=cpu or device=cuda (README: 'Trainium hosts')")
+    return None
+
+
+DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
+    "cpu": DeviceDefaults(precision="none", loss="chunked", torch_profiler=True, memory_snapshot=True),
+    "cuda": DeviceDefaults(precision="none", loss="full", torch_profiler=True, memory_snapshot=True),
+    "neuron": DeviceDefaults(precision="bf16", loss="full", torch_profiler=False, memory_snapshot=False,
+                             unavailable=_torchneuron_missing),
+}
+_UNKNOWN_DEVICE = DeviceDefaults(precision="none", loss="full", torch_profiler=True, memory_snapshot=True)
+
+
+def device_defaults(device_type: str) -> tuple[str, DeviceDefaults]:
+    """(the device kind a run with ``device.type=device_type`` uses, its defaults), without importing torch
+    (``host.device_kind_before_torch``: auto is neuron where TorchNeuron is installed, cuda where the driver lists
+    a GPU, else cpu). An unknown type gets neutral defaults: ``config.validate`` names it."""
+    kind = device_kind_before_torch(device_type)
+    return kind, DEVICE_DEFAULTS.get(kind, _UNKNOWN_DEVICE)
+
+
+def auto_settings(resolved: dict) -> dict:
+    """``resolved`` (a plain config dict) with ``training.mixed_precision=auto`` and ``training.loss=auto``
+    replaced by the values this run uses, from its device kind (``DEVICE_DEFAULTS``): the one place an auto
+    setting of the training section is filled in. Called before anything reads the config (a plan traces on CPU
+    and must keep the Trainium value), so summary.json and W&B record the resolved values. A config option writes
+    only its own section, so device=neuron cannot set these itself
+    (tests/test_config.py::test_group_options_extend_their_schema)."""
+    training = resolved.get("training", {})
+    if not isinstance(training, dict):
+        return resolved
+    _, defaults = device_defaults((resolved.get("device") or {}).get("type", "auto"))
+    changed = {}
+    if training.get("mixed_precision", "auto") == "auto":  # absent: the default
+        changed["mixed_precision"] = defaults.precision
+    if training.get("loss", "auto") == "auto":
+        changed["loss"] = defaults.loss
+    return {**resolved, "training": {**training, **changed}} if changed else resolved
+
+
+def check_device_settings(rc: RunConfig) -> None:
+    """What the run's device kind refuses (``DEVICE_DEFAULTS``): a device this host cannot run, and a profiling
+    capture the device does not have. One ConfigError line each."""
+    requested = rc.device.type
+    kind, defaults = device_defaults(requested)
+    if requested != "auto" and (why := defaults.unavailable()) is not None:
+        raise ConfigError(why)
+    p = rc.profiling
+    if p.neuron_device_profile is not None and defaults.torch_profiler:
+        raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "
+                          f"(NEURON_RT_INSPECT_DEVICE_PROFILE) and device.type={requested} is not neuron; leave it unset "
+                          "(profiling.steps gives a torch profiler trace on cpu and cuda)")
+    if p.memory_snapshot and not defaults.memory_snapshot:
+        raise ConfigError("profiling.memory_snapshot=true has no Neuron equivalent (the snapshot is PyTorch's CUDA/CPU "
+                          "allocator record); on neuron set profiling.steps=[a,b]: the Neuron runtime profile shows "
+                          "device memory")
 
 
 def _balance_for_export(cfg: dict) -> dict:
@@ -251,8 +432,6 @@ def _balance_for_export(cfg: dict) -> dict:
     default is the expert bias. Hugging Face's Qwen3-MoE has no expert bias: torchtitan adds it to the router's
     scores only to choose the experts (the gate weights stay unbiased), so no change of the router weights carries
     it and the exported model would route differently (``models.check_run`` refuses balance=bias there)."""
-    from qwen3_research.models import registry
-
     model, ck = cfg.get("model") or {}, cfg.get("checkpoint") or {}
     moe = model.get("moe") or {}
     if not ck.get("export_hf") or moe.get("balance", "auto") != "auto" or not model.get("backend"):
@@ -269,8 +448,6 @@ def _balance_for_export(cfg: dict) -> dict:
 def _loss_for_backend(cfg: dict) -> dict:
     """``training.loss``: the chunked loss (auto's choice on cpu) only for a backend that has one
     (``BackendSpec.chunked_loss``); auto is then the full loss, and chunked asked for is a config error."""
-    from qwen3_research.models import registry
-
     training, model = cfg.get("training") or {}, cfg.get("model") or {}
     loss = training.get("loss", "auto")
     if loss not in ("auto", "chunked") or not model.get("backend"):
@@ -290,8 +467,6 @@ def _loss_for_backend(cfg: dict) -> dict:
 def _resume_when_requeued(resolved: dict) -> dict:
     """A Slurm job started again after preemption/requeue (SLURM_RESTART_COUNT > 0) resumes from its run dir's
     latest checkpoint: ``checkpoint.resume=auto`` unless the config names one."""
-    from qwen3_research import slurm
-
     ck = resolved.get("checkpoint") or {}
     if slurm.restart_count() > 0 and not ck.get("resume"):
         return {**resolved, "checkpoint": {**ck, "resume": "auto"}}
@@ -301,8 +476,6 @@ def _resume_when_requeued(resolved: dict) -> dict:
 def _check_cpu_ranks(nproc: int, cores: int) -> None:
     """A CPU run starts at most ``CPU_RANKS_PER_CORE`` ranks per core of this host unless told to
     (``parallelism.oversubscribe=true``); a plan is not refused (it may be for a larger host)."""
-    from qwen3_research.config import CPU_RANKS_PER_CORE
-
     if nproc > CPU_RANKS_PER_CORE * cores:
         raise ConfigError(
             f"parallelism.nproc_per_node={nproc} starts {nproc} CPU ranks on the {cores} core(s) this process may use, "

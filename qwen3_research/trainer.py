@@ -94,7 +94,7 @@ class Trainer:
             self.degrees,
             activation_checkpoint=cfg.parallelism.activation_checkpoint,
             compile_cfg=cfg.compile,
-            mixed_precision=cfg.training.mixed_precision,
+            mixed_precision=run.precision.setting,
             run_dir=str(self.run_dir),
         )
         self.backend = models.build(
@@ -113,9 +113,11 @@ class Trainer:
 
         # MoE: routing statistics and the auxiliary loss, from hooks on the routers (None: dense, or nothing asked)
         self.routing = RoutingMonitor.attach(self.backend, cfg.model.moe, self.device.torch_device)
-        # bf16 with FSDP2 bf16 parameters: no autocast on top (torchtitan 0.2.2's maybe_enable_amp does the same)
-        self.precision = self._precision_mode()
-        self.autocast = "bf16" if self.precision["mode"] == "autocast_bf16" else "none"
+        # The precision plan decided at resolution (run.precision); the built model must carry it out
+        master = str(next(iter(self.backend.model.parameters())).dtype).removeprefix("torch.")
+        run.precision.check(parallel.fsdp_precision(self.backend.model), master)
+        self.precision = run.precision.summary()
+        self.autocast = "bf16" if run.precision.autocast else "none"
         # compile.enable as resolved (run.compile: its reason, the shared cache): each block and the loss, in place
         self.compiled, self._cross_entropy = "none", None
         if cfg.compile.enable:
@@ -151,21 +153,7 @@ class Trainer:
 
     # -- construction helpers ----------------------------------------------------------------
     def _compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.training.mixed_precision == "bf16" else torch.float32
-
-    def _precision_mode(self) -> dict:
-        """How ``training.mixed_precision`` is carried out in this layout, read from the built model: bf16 where FSDP2
-        units gather bfloat16 copies of float32 parameters and reduce gradients in float32 (torchtitan's policy: any
-        sharded layout whose backend wraps FSDP2 units, tp included on torchtitan 0.3.x), else autocast (one process,
-        or no FSDP unit: torchtitan 0.2.x without dp_shard > 1, as its own ``maybe_enable_amp``), or float32."""
-        policy = parallel.fsdp_precision(self.backend.model)
-        master = str(next(iter(self.backend.model.parameters())).dtype).replace("torch.", "")
-        if self.cfg.training.mixed_precision != "bf16":
-            return {"mode": "float32", "master_dtype": master}
-        if policy is not None and policy[0] == "bfloat16":
-            return {"mode": "fsdp2_bf16_params", "param_dtype": policy[0], "reduce_dtype": policy[1],
-                    "master_dtype": master}
-        return {"mode": "autocast_bf16", "master_dtype": master}
+        return getattr(torch, self.run.precision.compute_dtype)
 
     def _gather(self, row: dict) -> list[dict]:
         if self.world_size == 1:
@@ -337,7 +325,7 @@ class Trainer:
             "train_samples": len(self.data.train),
             "val_samples": len(self.data.val),
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
-            "precision": self.precision,  # how it is carried out here (_precision_mode)
+            "precision": self.precision,  # how it is carried out here (run.precision)
             "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
             "compile": self._compile_line(),
             **(self.routing.summary() if self.routing is not None else {}),

@@ -42,6 +42,8 @@ def test_every_combination_composes_and_validates():
     import copy
     import dataclasses
 
+    from qwen3_research.resolve import check_device_settings
+
     head, tail = GROUPS[:4], GROUPS[4:]
 
     def overrides_for(groups, combo):
@@ -66,9 +68,9 @@ def test_every_combination_composes_and_validates():
         assert rc.model.backend == {"native": "native", "native_moe": "native", "hf": "hf"}[combo[0]]
         if rc.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:
             with pytest.raises(ConfigError, match="device.type=neuron needs TorchNeuron"):
-                validate(rc)
+                check_device_settings(validate(rc))
         else:
-            validate(rc)  # every shipped combination is valid as composed
+            check_device_settings(validate(rc))  # every shipped combination is valid as composed
     print(f"composed and validated {len(combos)} combinations")
 
 
@@ -226,10 +228,11 @@ def test_trn2_presets_equal_aws_recipe_and_validate(name, expected, monkeypatch)
     from qwen3_research import models
     from qwen3_research.config import to_run_config
     from qwen3_research.parallel import validate_degrees
+    from qwen3_research.resolve import auto_settings
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"experiment={name}"])
-    rc = to_run_config(cfg)
+    rc = to_run_config(auto_settings(OmegaConf.to_container(cfg, resolve=True)))  # the auto settings as a run resolves them
     got = {k: getattr(getattr(rc, k.split(".")[0]), k.split(".")[1]) for k in expected}
     assert got == expected
     _simulate_torchneuron(monkeypatch)
@@ -244,17 +247,21 @@ def test_trn2_presets_equal_aws_recipe_and_validate(name, expected, monkeypatch)
 
 def test_mixed_precision_auto_is_bf16_on_neuron_only(monkeypatch):
     """training.mixed_precision defaults to auto: bf16 on neuron (AWS's recipes), none on cpu/cuda (unchanged);
-    an explicit value is kept; device=auto follows TorchNeuron's presence, as the device itself does."""
-    from qwen3_research.config import resolve_auto_settings, to_run_config
+    an explicit value is kept; device=auto follows TorchNeuron's presence, as the device itself does. The auto
+    settings are filled in one place (``resolve.auto_settings``); ``to_run_config`` and ``validate`` are pure."""
+    from qwen3_research.config import to_run_config
+    from qwen3_research.resolve import auto_settings
 
     def resolved(device, mp="auto"):
-        return resolve_auto_settings({"device": {"type": device}, "training": {"mixed_precision": mp}})["training"]
+        return auto_settings({"device": {"type": device}, "training": {"mixed_precision": mp}})["training"]
 
     assert [resolved(d)["mixed_precision"] for d in ("cpu", "cuda", "neuron", "auto")] == ["none", "none", "bf16", "none"]
     assert resolved("neuron", "none")["mixed_precision"] == "none" and resolved("cpu", "bf16")["mixed_precision"] == "bf16"
     assert RunConfig().training.mixed_precision == "auto"
-    assert to_run_config({"device": {"type": "neuron"}}).training.mixed_precision == "bf16"
-    assert validate(RunConfig()).training.mixed_precision == "none"  # a RunConfig built in code, on cpu
+    assert to_run_config(auto_settings({"device": {"type": "neuron"}})).training.mixed_precision == "bf16"
+    assert to_run_config({"device": {"type": "neuron"}}).training.mixed_precision == "auto"  # pure: nothing filled in
+    rc = RunConfig()
+    assert validate(rc) is rc and rc.training.mixed_precision == "auto" and rc.training.loss == "auto"  # not mutated
     _simulate_torchneuron(monkeypatch)
     assert resolved("auto")["mixed_precision"] == "bf16"
 

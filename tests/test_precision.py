@@ -58,3 +58,74 @@ def test_bf16_single_process_vs_fsdp_bf16_parameters_and_the_plan(tmp_path):
     # at the largest point); float32 copies would be ~2 shards.
     assert 0.5 <= gathered / shards <= 1.05
     assert "most gathered" in proc.stdout
+
+
+# -- issue 32 (acceptance c): the precision walk, YAML -> FSDP2 policy and autocast, in <= 6 hops --------------------
+
+# (module, qualified name) per hop; the last FSDP hop is torchtitan's own (whichever API is installed).
+WALK_FSDP = [("qwen3_research.resolve", "auto_settings"), ("qwen3_research.resolve", "precision_plan"),
+             ("qwen3_research.trainer", "Trainer.__init__"), ("qwen3_research.parallel", "torchtitan_training_configs"),
+             ("qwen3_research.titan", "training_configs"), ("torchtitan", "apply_fsdp_to_decoder | apply_fsdp")]
+WALK_AUTOCAST = [("qwen3_research.resolve", "auto_settings"), ("qwen3_research.resolve", "precision_plan"),
+                 ("qwen3_research.trainer", "Trainer.__init__"), ("qwen3_research.device", "Device.autocast")]
+TORCHTITAN_FSDP = {"apply_fsdp_to_decoder": "torchtitan.distributed.fsdp",
+                   "apply_fsdp": "torchtitan.models.qwen3.infra.parallelize"}
+
+
+def _function(module: str, qualname: str):
+    import importlib
+
+    if module == "torchtitan":  # the installed API's FSDP entry
+        for name in qualname.split(" | "):
+            try:
+                return getattr(importlib.import_module(TORCHTITAN_FSDP[name]), name)
+            except (ImportError, AttributeError):
+                continue
+        raise AssertionError(f"torchtitan has none of {qualname}")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_precision_walk_is_at_most_six_hops():
+    """Each function of docs/PRECISION_WALK.md exists and is named there; each walk is <= 6 hops; and the setting
+    reaches both effects through the plan: torchtitan's parameter dtype is the plan's, autocast only without
+    FSDP2 units."""
+    from pathlib import Path
+
+    from qwen3_research import models
+    from qwen3_research.config import ModelConfig, ParallelismConfig, RunConfig
+    from qwen3_research.parallel import torchtitan_training_configs, validate_degrees
+    from qwen3_research.resolve import PrecisionPlan, auto_settings, precision_plan
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "PRECISION_WALK.md").read_text()
+    for walk in (WALK_FSDP, WALK_AUTOCAST):
+        assert len(walk) <= 6
+        for module, qualname in walk:
+            assert callable(_function(module, qualname)), (module, qualname)
+            for name in qualname.split(" | "):
+                assert name.split(".")[-1] in doc, name
+    print(f"\nprecision walk: FSDP2 policy {len(WALK_FSDP)} hops, autocast {len(WALK_AUTOCAST)} hops")
+
+    facts = models.describe(ModelConfig())
+    one = validate_degrees(ParallelismConfig(nproc_per_node=1), seq_len=32, **facts)
+    fsdp = validate_degrees(ParallelismConfig(nproc_per_node=2, dp_shard=-1), seq_len=32, **facts)
+    assert auto_settings({"device": {"type": "cpu"}})["training"]["mixed_precision"] == "none"
+    assert auto_settings({"device": {"type": "neuron"}})["training"]["mixed_precision"] == "bf16"
+    sharded, single = precision_plan("bf16", fsdp, torchtitan=True), precision_plan("bf16", one, torchtitan=True)
+    assert (sharded.mode, sharded.param_dtype, sharded.reduce_dtype, sharded.autocast) == \
+        ("fsdp2_bf16_params", "bfloat16", "float32", False)
+    assert (single.mode, single.autocast, single.compute_dtype) == ("autocast_bf16", True, "bfloat16")
+    assert precision_plan("none", fsdp, torchtitan=True).summary() == {"mode": "float32", "master_dtype": "float32"}
+    tt = torchtitan_training_configs(fsdp, activation_checkpoint="none", compile_cfg=RunConfig().compile,
+                                     mixed_precision=sharded.setting, run_dir="/tmp")
+    assert tt.training.mixed_precision_param == sharded.param_dtype
+    assert tt.training.mixed_precision_reduce == sharded.reduce_dtype
+    # the Trainer's check: a built model that does not carry out the plan is one clear error
+    sharded.check(("bfloat16", "float32"), "float32")
+    single.check(None, "float32")
+    for policy, master in ((None, "float32"), (("float32", "float32"), "float32"), (("bfloat16", "float32"), "bfloat16")):
+        with pytest.raises(RuntimeError, match="does not match the precision plan"):
+            sharded.check(policy, master)
+    assert isinstance(sharded, PrecisionPlan)

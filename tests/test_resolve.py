@@ -103,3 +103,52 @@ def test_the_description_is_resolved_and_nothing_writes_into_it(tmp_path):
         trainer.close()
     assert (run.config, dataclasses.asdict(run.rc)) == before
     assert OmegaConf.to_container(cfg) == composed and composed["data"]["batch_size"] == 7
+
+
+# -- issue 32 (acceptance a): one resolution per process -----------------------------------------------------------
+
+CALLED = ("compose", "resolve_run", "check_run_dir", "checkpoint.preflight")
+
+
+def _calls(log) -> dict[tuple[str, str], dict[str, int]]:
+    """(pid, role) -> {name: how often}, from the call log (``errors.log_call``)."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        pid, role, name = line.split()
+        counts = out.setdefault((pid, role), {})
+        counts[name] = counts.get(name, 0) + 1
+    return out
+
+
+def _logged_run(args, run_dir, log):
+    from tests.conftest import assert_ok, cli_env
+
+    log.unlink(missing_ok=True)
+    proc = run_cli(args, run_dir=run_dir, env=cli_env(QWEN3_RESEARCH_CALL_LOG=str(log)))
+    assert_ok(proc)
+    calls = _calls(log)
+    print(f"\n{' '.join(args[:2])}: " + "; ".join(f"{role} {c}" for (_, role), c in calls.items()))
+    return calls
+
+
+@pytest.mark.parametrize("layout", [[], ["parallelism=fsdp", "parallelism.nproc_per_node=2"]], ids=["single", "fsdp2"])
+def test_one_cli_run_resolves_and_composes_once_per_process(tmp_path, layout):
+    """One CLI run composes the config, resolves it (``resolve_run``) and checks its run dir once, in the process
+    that starts it; the 2 ranks of an fsdp run receive the description (no rank resolves, composes or checks)."""
+    calls = _logged_run([*layout, *FAST], tmp_path / "run", tmp_path / "calls.log")
+    main = [c for (_, role), c in calls.items() if role == "main"]
+    assert len(main) == 1, calls
+    assert main[0] == {"compose": 1, "resolve_run": 1, "check_run_dir": 1}, calls
+    for (_, role), counts in calls.items():
+        assert all(n == 1 for n in counts.values()), calls  # each process: at most once each
+
+
+def test_a_resume_checks_its_run_dir_and_checkpoint_once(tmp_path):
+    """A resume: the run dir and the checkpoint it continues from are checked once (``check_run_dir``, which runs
+    ``checkpoint.preflight``), with one compose and one resolution."""
+    run_dir, log = tmp_path / "run", tmp_path / "calls.log"
+    base = [*FAST, "checkpoint.enable=true", "checkpoint.every=3"]
+    _logged_run(base, run_dir, log)
+    calls = _logged_run([*base, "training.steps=4", "checkpoint.resume=auto"], run_dir, log)
+    main = [c for (_, role), c in calls.items() if role == "main"]
+    assert main == [{"compose": 1, "resolve_run": 1, "check_run_dir": 1, "checkpoint.preflight": 1}], calls

@@ -144,10 +144,10 @@ def run_dtype(cfg) -> str:
     """The compute dtype a run resolves to: bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
     process, FSDP2 bf16 parameters when sharded), else float32."""
     mp = getattr(cfg.training, "mixed_precision", "none")
-    if mp == "auto":
-        from qwen3_research.config import auto_mixed_precision
+    if mp == "auto":  # a config not resolved (resolve.auto_settings fills it in): bf16 on neuron only
+        from qwen3_research.host import device_kind_before_torch
 
-        mp = auto_mixed_precision(cfg.device.type)
+        mp = "bf16" if device_kind_before_torch(cfg.device.type) == "neuron" else "none"
     return "bfloat16" if mp == "bf16" else "float32"
 
 

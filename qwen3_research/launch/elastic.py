@@ -21,12 +21,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from qwen3_research import slurm
+from qwen3_research import compiling
+from qwen3_research import device as devices
+from qwen3_research import models, slurm, startup
+from qwen3_research.compose import compose
 from qwen3_research.config import RunConfig
-from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
-from qwen3_research.resolve import ResolvedRun, resolve_run, warn_kernel_matches
+from qwen3_research.device import resolve_device_type
+from qwen3_research.parallel import rendezvous
+from qwen3_research.profiling import neuron_environment
+from qwen3_research.run.checkpoint import find_checkpoint
+from qwen3_research.data import Tokenizer, tokenizer_path
+from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError, check_writable
+from qwen3_research.resolve import ResolvedRun, at_run_dir, resolve_run, warn_kernel_matches
+from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, discard_earlier_run, read_summary
 from qwen3_research.signals import Interrupted, Terminated, signal_number
-from qwen3_research.trainer import RunInfo
+from qwen3_research.startup import quiet_libraries
+from qwen3_research.trainer import RunInfo, Trainer
 
 
 def under_torchrun() -> bool:
@@ -38,13 +48,13 @@ def _writes_run_files() -> bool:
     return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and slurm.node_rank() == 0
 
 
-def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[str]:
+def torchrun_overrides(overrides: list[str], run_dir: str | None = None, timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
     Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
-    directory. Rank 0 resolves ``hydra.run.dir`` once and publishes it in the torchrun
-    agent's TCPStore (MASTER_ADDR:MASTER_PORT, reachable from every node); the other ranks
-    wait for it. Ranks other than 0 also write no ``.hydra/`` copy and no log file there.
+    directory. Rank 0 publishes its ``hydra.run.dir`` (``run_dir``: the one its preflight composed and checked;
+    composed here when None) in the torchrun agent's TCPStore (MASTER_ADDR:MASTER_PORT, reachable from every
+    node); the other ranks wait for it. Ranks other than 0 also write no ``.hydra/`` copy and no log file there.
     """
     import torch.distributed as dist
     from datetime import timedelta
@@ -57,14 +67,36 @@ def torchrun_overrides(overrides: list[str], timeout_s: float = 300.0) -> list[s
                           is_master=False, timeout=timedelta(seconds=timeout_s))
     key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
-        from qwen3_research.compose import compose
-
-        cfg = compose(overrides, return_hydra_config=True)
-        run_dir = os.path.abspath(str(cfg.hydra.run.dir))
+        if run_dir is None:
+            run_dir = str(compose(overrides, return_hydra_config=True).hydra.run.dir)
+        run_dir = os.path.abspath(run_dir)
         store.set(key, run_dir)
     else:
         run_dir = store.get(key).decode()  # blocks until rank 0 has set it
     return [f"hydra.run.dir={json.dumps(run_dir)}"] + quiet
+
+
+def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
+    """The CLI's one resolution, before Hydra creates anything (``__main__.preflight``): ``resolve_run`` (with the
+    LNC into the environment workers inherit), a tokenizer other than the packaged one loaded once, then the run
+    dir (``resolve.at_run_dir``: one owner, resume rules, the checkpoint a resume loads) and whether it and the
+    checkpoint dir can be written. ``run_dir``: ``hydra.run.dir`` as composed (None: only Hydra's run can resolve
+    it, and ``run`` checks it). A finished run asked to resume prints why and exits 0; a refusal is a ConfigError."""
+    run = resolve_run(cfg, prepare=devices.prepare_launch)  # under torchrun also against the world size it started
+    spec = models.tokenizer_spec(run.rc)
+    if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
+        Tokenizer(tokenizer_path(spec))
+    if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
+        return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
+    try:
+        run = at_run_dir(run, run_dir, owner=True)
+    except AlreadyComplete as done:
+        print(str(done), flush=True)
+        sys.exit(0)
+    check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
+    if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
+        check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
+    return run
 
 
 def _limit_threads(local_world_size: int) -> None:
@@ -77,9 +109,6 @@ def _limit_threads(local_world_size: int) -> None:
 
 def worker(run: ResolvedRun, info: dict) -> dict:
     """One rank's whole life: build the Trainer, train, tear down. Importable for spawn."""
-    from qwen3_research.startup import quiet_libraries
-    from qwen3_research.trainer import Trainer
-
     _wait_until_every_rank_is_forked()
     quiet_libraries()  # a spawned rank starts with Python's defaults
     _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -275,9 +304,6 @@ def _start_method(rc: RunConfig) -> str:
     its points, or ran some of them in-process): autograd may have started its threads, and torch refuses
     autograd in a child forked after that.
     """
-    from qwen3_research import startup
-    from qwen3_research.device import resolve_device_type
-
     if startup.trainer_built():
         return "spawn"
     return "fork" if resolve_device_type(rc.device.type) == "cpu" else "spawn"
@@ -288,8 +314,6 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from qwen3_research.parallel import rendezvous
 
     rc = run.rc
     p = rc.parallelism
@@ -381,8 +405,6 @@ def _siblings_error_files(failures: dict) -> dict:
 
 def _interrupted(signum: int, rc: RunConfig, info: RunInfo) -> Interrupted:
     """Interrupted with the step and checkpoint the worker group saved on the signal (the newest one)."""
-    from qwen3_research.run.checkpoint import find_checkpoint
-
     root = Path(os.path.expanduser(rc.checkpoint.dir))
     found = find_checkpoint("auto", root if root.is_absolute() else Path(info.run_dir) / root)
     step = int(found.name.rsplit("-", 1)[-1]) if found is not None else 0
@@ -399,51 +421,44 @@ def _is_rendezvous_failure(e: BaseException) -> bool:
 
 
 
-def run(cfg: DictConfig, run_dir: str, *, wandb_group: str | None = None, wandb_name: str | None = None,
-        swept: dict | None = None, prediction: dict | None = None) -> dict:
-    """Resolve, start the workers, write ``summary.json``; raise on failure (after recording it)."""
-    from qwen3_research import device as devices
-    from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, check_run_dir, discard_earlier_run, read_summary
+def run(cfg: DictConfig | None, run_dir: str, *, resolved: ResolvedRun | None = None, wandb_group: str | None = None,
+        wandb_name: str | None = None, swept: dict | None = None, prediction: dict | None = None) -> dict:
+    """Start the workers, write ``summary.json``; raise on failure (after recording it).
 
+    ``resolved``: the run as the entry point resolved it (``resolve.resolve_run``, and ``resolve.at_run_dir`` when
+    its ``run_dir`` is this one): nothing is resolved or checked again. Without it, ``cfg`` is resolved here."""
     t0 = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
     lock, refused = None, False
     try:
-        # Every start-up check, once (the workers get the description: training.mixed_precision=auto resolved
-        # here, so the workers, summary.json and W&B get the value used)
-        resolved = resolve_run(cfg, prepare=devices.prepare_launch)  # and the LNC into the environment workers inherit
-        rc = resolved.rc
-        if _writes_run_files():  # one owner per run dir: this process (rank 0 / first node) holds the lock
-            refused = True  # until this process owns the run dir, a refusal writes nothing there
+        if resolved is None:  # every start-up check, once (the workers get the description)
+            resolved = resolve_run(cfg, prepare=devices.prepare_launch)  # and the LNC into the environment workers inherit
+        owner = _writes_run_files()  # one owner per run dir: this process (rank 0 / first node) holds the lock
+        refused = owner  # until this process owns the run dir, a refusal writes nothing there
+        if resolved.run_dir != os.path.abspath(run_path):  # not checked at this run dir yet
             try:
-                check_run_dir(rc, run_path, dp=resolved.degrees.dp, batch_size=resolved.batch_size)
+                resolved = at_run_dir(resolved, run_path, owner=owner)
             except AlreadyComplete as done:  # a sweep point that finished before: report it, write nothing
                 print(str(done), flush=True)
                 return read_summary(run_path) or {"status": "ok"}
+        rc = resolved.rc
+        if owner:
             lock = RunDirLock(run_path).acquire()
             refused = False
             if rc.checkpoint.overwrite and not rc.checkpoint.resume:
                 discard_earlier_run(rc, run_path)
-        if rc.checkpoint.resume or rc.model.init_from:  # before any worker starts or file is written
-            from qwen3_research.run.checkpoint import preflight
-
-            preflight(rc, run_path)
         if _writes_run_files() and resolved.compile is not None:
             print(resolved.compile.describe(), flush=True)  # decided once at resolution, with its reason
         if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
             warn_kernel_matches(resolved.kernel_warnings)  # what the workers would have warned about
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return {"status": "validated"}
-        from qwen3_research import compiling
-
         compiling.export_cache_env(resolved.compile)  # before any worker starts: every rank and sweep point shares it
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})
         if resolved.device_type == "neuron":  # the runtime reads its profiler variables when it starts: before any worker
-            from qwen3_research.profiling import neuron_environment
-
             os.environ.update(neuron_environment(rc.profiling, run_path))
         if under_torchrun() or resolved.world_size == 1:
             summary = worker(resolved, asdict(info))

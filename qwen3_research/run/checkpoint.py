@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from qwen3_research import models
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
-from qwen3_research.errors import ConfigError, TrainingError, write_failure
+from qwen3_research.errors import ConfigError, TrainingError, log_call, write_failure
 from qwen3_research.run.train_state import TrainState, unwrap
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -496,6 +496,7 @@ def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> Non
 def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target, and model.init_from as its
     backend's spec checks it (``models.check_init_from``)."""
+    log_call("checkpoint.preflight")
     ck = rc.checkpoint
     if ck.resume:
         found = find_checkpoint(ck.resume, checkpoint_root(ck, run_dir))

@@ -1,7 +1,7 @@
 """A run directory has one owner and one history.
 
-- ``check_run_dir``: before anything is written (in ``__main__`` before Hydra creates the directory,
-  and again in ``launch.elastic.run``), refuse a directory that is a file, is locked by a live process, already
+- ``check_run_dir``: before anything is written, once per run (``resolve.at_run_dir``: in ``__main__`` before
+  Hydra creates the directory, or in ``launch.elastic.run`` when the run was not checked there), refuse a directory that is a file, is locked by a live process, already
   holds a run that the command does not resume (``checkpoint.resume``) or discard
   (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
   to resume is ``AlreadyComplete`` (exit 0, nothing written); with ``checkpoint.export_hf`` a run is finished
@@ -24,8 +24,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from qwen3_research import slurm
-from qwen3_research.errors import ConfigError
+from qwen3_research import models, slurm
+from qwen3_research.data import _sha256, data_layout, tokenizer_path
+from qwen3_research.errors import ConfigError, log_call
+from qwen3_research.run import checkpoint
+from qwen3_research.run.checkpoint import (find_checkpoint, list_checkpoints, owner_conflict, preflight, read_meta,
+                                           refuse_layout_change)
 
 LOCK_NAME = ".qwen3_research.lock"
 WANDB_STATE_FILE = "wandb_run.json"
@@ -48,9 +52,7 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def checkpoint_root(rc, run_dir: Path) -> Path:
-    from qwen3_research.run.checkpoint import checkpoint_root as root_of
-
-    return root_of(rc.checkpoint, run_dir)
+    return checkpoint.checkpoint_root(rc.checkpoint, run_dir)
 
 
 def read_summary(run_dir: Path) -> dict | None:
@@ -63,10 +65,11 @@ def read_summary(run_dir: Path) -> dict | None:
 # -- the checks -------------------------------------------------------------------------------
 
 
-def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> None:
-    """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing."""
-    from qwen3_research.run.checkpoint import find_checkpoint, read_meta
-
+def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> Path | None:
+    """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing. Returns the checkpoint a resume
+    continues from (None: a fresh start). ``checkpoint.preflight`` (the resume target's model, the ``init_from``
+    config) runs here, once: the caller does not run it again (``resolve.at_run_dir``)."""
+    log_call("check_run_dir")
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another hydra.run.dir")
@@ -78,27 +81,23 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
         )
     ck = rc.checkpoint
     root = checkpoint_root(rc, run_dir)
-    from qwen3_research.run.checkpoint import owner_conflict
-
     why = owner_conflict(root, run_dir, resuming=bool(ck.resume))
     if why is not None:
         raise ConfigError(why)
     if not ck.resume:
         existing = run_files(run_dir)
         if not root.is_relative_to(run_dir):
-            from qwen3_research.run.checkpoint import list_checkpoints
-
             existing += [str(p) for p in list_checkpoints(root)][-1:]
         if existing and not ck.overwrite:
             raise ConfigError(
                 f"hydra.run.dir={run_dir} already holds a run ({', '.join(existing[:4])}); continue it with "
                 "checkpoint.resume=auto, choose another hydra.run.dir, or discard it with checkpoint.overwrite=true"
             )
-        return
+        if rc.model.init_from:
+            preflight(rc, run_dir)
+        return None
     found = find_checkpoint(ck.resume, root, warn=True)
-    if found is not None:  # another model first: that is the error, whatever the step
-        from qwen3_research.run.checkpoint import preflight
-
+    if found is not None or rc.model.init_from:  # another model first: that is the error, whatever the step
         preflight(rc, run_dir)
     summary = read_summary(run_dir)
     steps = rc.training.steps
@@ -108,7 +107,7 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
                 f"checkpoint.resume={ck.resume}: {run_dir} holds a finished run ({summary.get('steps')} steps) but no "
                 f"checkpoint under {root} to continue from; choose another hydra.run.dir"
             )
-        return
+        return None
     meta = read_meta(found)
     step = int(meta.get("step", 0))
     if step > steps:
@@ -129,10 +128,6 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
             _SAID.add(line)
             print(line, flush=True)
     if dp is not None and batch_size is not None:
-        from qwen3_research import models
-        from qwen3_research.run.checkpoint import refuse_layout_change
-        from qwen3_research.data import _sha256, data_layout, tokenizer_path
-
         sha = _sha256(tokenizer_path(models.tokenizer_spec(rc)))
         refuse_layout_change(meta.get("data_layout"), data_layout(rc, dp, batch_size, sha), found,
                              rc.checkpoint.allow_data_change)
@@ -140,10 +135,6 @@ def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int |
 
 def discard_earlier_run(rc, run_dir: Path) -> None:
     """checkpoint.overwrite=true on a directory that holds a run: remove that run's files (under the lock)."""
-    from qwen3_research.run.checkpoint import list_checkpoints
-
-    from qwen3_research.run.checkpoint import owner_conflict
-
     root = checkpoint_root(rc, run_dir)
     why = owner_conflict(root, run_dir, resuming=False)  # checked before; again here, where files are deleted
     if why is not None:
