@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import importlib.util
 import logging
 import os
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch.nn as nn
 
+from qwen3_research import titan
+from qwen3_research.config import auto_mixed_precision
 from qwen3_research.errors import ConfigError
 
 log = logging.getLogger("qwen3_research.kernels")
@@ -144,8 +148,6 @@ def run_dtype(cfg) -> str:
     process, FSDP2 bf16 parameters when sharded), else float32."""
     mp = getattr(cfg.training, "mixed_precision", "none")
     if mp == "auto":
-        from qwen3_research.config import auto_mixed_precision
-
         mp = auto_mixed_precision(cfg.device.type)
     return "bfloat16" if mp == "bf16" else "float32"
 
@@ -228,8 +230,6 @@ class planning_for:
 def _effective(device):
     if not _PLANNED:
         return device
-    from types import SimpleNamespace
-
     return SimpleNamespace(type=_PLANNED["type"], lnc=_PLANNED["lnc"] or getattr(device, "lnc", None),
                            torch_device=getattr(device, "torch_device", None), planning=True)
 
@@ -251,8 +251,6 @@ def kernel_support(entries, device_type: str, lnc: int | None = None, option: st
 
 def _static_problems(spec, where: str, device_type: str, lnc: int | None, planning: bool = False) -> list[str]:
     """What does not depend on the model: device type, environment variable, LNC, importable modules."""
-    import importlib.util
-
     req = spec.requirements
     out = []
     if device_type not in req.devices:
@@ -295,8 +293,6 @@ def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
     kc = cfg.kernels
     option = getattr(kc, "option", None)
     # torchtitan 0.2.x has no RoPE module: the adapter adds one when a RoPE kernel is asked for.
-    from qwen3_research import titan
-
     titan.prepare_kernel_targets(model, rope=any(
         "CosSinRoPE" in KERNELS[e.name].module_types for e in kc.entries if e.name in KERNELS))
     modules = [(fqn, m) for fqn, m in model.named_modules() if fqn]
