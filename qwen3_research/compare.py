@@ -15,6 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from qwen3_research import startup
+
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while the report's modules import: 128+signal, one line
+    startup.exit_at_once_while_importing("; the report may be incomplete")
+
+from qwen3_research.report import EXIT_SOME_FAILED, best_point_line, report, sweep_points  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qwen3_research.compare", description=__doc__.splitlines()[0])
@@ -25,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.paths:  # each directory once, in the order given (`compare D D` counted every run twice)
         unique.setdefault(p.resolve(), p)
     args.paths = list(unique.values())
-    from qwen3_research.report import EXIT_SOME_FAILED, best_point_line, report, sweep_points
-    from qwen3_research.startup import quiet_libraries
-
-    quiet_libraries()  # matplotlib's warnings as one line each
+    startup.quiet_libraries()  # matplotlib's warnings as one line each
     missing = [str(p) for p in args.paths if not p.is_dir()]
     if missing:
         print(f"compare: not a directory: {', '.join(missing)}", file=sys.stderr)
@@ -40,6 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from qwen3_research.startup import run_tool
-
-    sys.exit(run_tool(main, "the report may be incomplete"))
+    sys.exit(startup.run_tool(main, "the report may be incomplete"))

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qwen3_research import token_stream
 from qwen3_research.config import ConfigError, DataConfig, data_files
+from qwen3_research.device import _cache_dir
 from qwen3_research.errors import write_failure
 
 IGNORE_INDEX = -100  # labels F.cross_entropy and qwen3_research.loss skip
@@ -196,8 +198,6 @@ def load_documents(cfg: DataConfig) -> list[tuple[str, str]]:
 
 def _token_cache(tokenizer: Tokenizer, docs: list[tuple[str, str]]) -> list[np.ndarray]:
     """Tokenize with an on-disk cache keyed by tokenizer and text (tokenizing the plays takes ~2.5 s)."""
-    from qwen3_research.device import _cache_dir
-
     h = hashlib.sha256(tokenizer.sha256.encode())
     for name, text in docs:
         h.update(name.encode())
@@ -274,9 +274,6 @@ class PackedDataset:
 
     def _stream(self, cfg: DataConfig, tokenizer: Tokenizer) -> None:
         """data=hf: an on-disk token stream per split, built once, read through a memory map (token_stream)."""
-        from qwen3_research import token_stream
-        from qwen3_research.device import _cache_dir
-
         where, meta = token_stream.open_or_build(cfg, tokenizer, lambda: hf_documents(cfg.hf), _cache_dir())
         if not meta["documents"]:
             raise ConfigError(f"data.source={cfg.source}: the source has no non-empty documents")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 
@@ -102,8 +103,6 @@ def _vocab_sharding(weight) -> tuple[torch.Tensor, object, int]:
     """(local weight, tp group or None, first vocabulary row) for a plain or DTensor lm_head weight."""
     if not hasattr(weight, "device_mesh"):
         return weight, None, 0
-    from torch.distributed.tensor import Shard
-
     mesh, group, start = weight.device_mesh, None, 0
     for dim, placement in enumerate(weight.placements):
         if isinstance(placement, Shard) and placement.dim == 0 and mesh.size(dim) > 1:

@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from qwen3_research.errors import ConfigError
+
 HF_DEFAULT_AUX_COEF = 0.001  # transformers' Qwen3MoeConfig.router_aux_loss_coef default
 PER_LAYER = ("max_load", "cv", "empty_frac", "entropy")
 
@@ -145,8 +147,6 @@ class RoutingMonitor:
         monitor = cls(backend, balance, stats=cfg.routing_stats, device=device)
         if not monitor.shapes:
             if balance.mode == "aux_loss":
-                from qwen3_research.errors import ConfigError
-
                 raise ConfigError("model.moe.balance=aux_loss: the model has no MoE router to balance; use "
                                   "model.moe.balance=none (or auto)")
             return None

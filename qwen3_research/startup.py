@@ -14,6 +14,8 @@ import signal
 import sys
 import warnings
 
+from qwen3_research.signals import Terminated, raise_terminated
+
 # Messages libraries print on every run that tell the user nothing they can act on (message regex).
 NOISE = (
     # torch.distributed.checkpoint, on every save/load in one process (no process group): that is our intent.
@@ -35,7 +37,8 @@ def exit_at_once_while_importing(after: str) -> None:
     """
 
     def _exit(signum, frame):
-        print(f"interrupted by {signal.Signals(signum).name} {after}", file=sys.stderr, flush=True)
+        sep = "" if after.startswith(";") else " "  # run_tool's "; <what stopped>", as its own line reads
+        print(f"interrupted by {signal.Signals(signum).name}{sep}{after}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -49,8 +52,6 @@ def run_tool(main, stopped: str) -> int:
     never a traceback (it was 22-53 lines). While it imports, the process exits at once
     (``exit_at_once_while_importing``); inside ``main`` the signal unwinds it, so its ``finally`` blocks (temporary
     directories) run."""
-    from qwen3_research.signals import Terminated, raise_terminated
-
     exit_at_once_while_importing(f"; {stopped}")
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)

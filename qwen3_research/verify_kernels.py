@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import sys
 
+from qwen3_research import startup
+
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 128+signal, one line
+    startup.exit_at_once_while_importing("; no kernel was verified")
+
+from qwen3_research import models  # noqa: E402
+from qwen3_research.compose import compose  # noqa: E402
+from qwen3_research.config import ConfigError  # noqa: E402
+from qwen3_research.resolve import resolve_run, warn_kernel_matches  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
-    from qwen3_research.compose import compose
-    from qwen3_research.config import ConfigError
-    from qwen3_research.startup import quiet_libraries
-
-    quiet_libraries()  # a kernel entry that matches nothing: one warning line
+    startup.quiet_libraries()  # a kernel entry that matches nothing: one warning line
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
         print(__doc__)
@@ -38,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
-        from qwen3_research import device as devices
-        from qwen3_research.resolve import resolve_run, warn_kernel_matches
+        # deferred: start-up (torch and the kernels load after the config is composed: a config error exits first)
+        from qwen3_research import device as devices, kernels
 
         # The checks a run makes before any worker starts (resolve_run: the config, the backend's run checks --
         # titan.check_supported --, the kernels' kernel_support and their targets on a meta-device model), so a
@@ -55,23 +61,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
-        from qwen3_research import models
-        from qwen3_research.kernels import install, resolve
-        from qwen3_research.kernels.registry import KERNELS, entry_labels
-        from qwen3_research.kernels.verify import verify_plan
-
         # In the worker, the overrides' own checks on the model it built (what resolve_run checked on the meta
         # device, now with the device's dtypes), then the install without kernels.verify: verified once, below.
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
         # gate=False: a speed kernel is checked whether or not this run would apply it here (the plan says which)
-        plan = install(backend.model, resolve(backend.model, rc, device, gate=False), rc, device)
-        checks = verify_plan(backend.model, plan, rc, device)
+        plan = kernels.install(backend.model, kernels.resolve(backend.model, rc, device, gate=False), rc, device)
+        checks = kernels.verify_plan(backend.model, plan, rc, device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     unverified = [f"entry '{label}' (target '{e.target}') matches no module of model={rc.model.backend}"
-                  for label, e in entry_labels(rc.kernels.entries)
-                  if KERNELS[e.name].verify is not None and not plan.get(label)]
+                  for label, e in kernels.registry.entry_labels(rc.kernels.entries)
+                  if kernels.KERNELS[e.name].verify is not None and not plan.get(label)]
     failed = [c for c in checks if not c.ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} kernel(s) pass")
     if unverified or not checks:
@@ -82,6 +83,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from qwen3_research.startup import run_tool
-
-    sys.exit(run_tool(main, "no kernel was verified"))
+    sys.exit(startup.run_tool(main, "no kernel was verified"))

@@ -21,7 +21,9 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
+from qwen3_research import titan
 from qwen3_research.errors import ConfigError
 from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
 from qwen3_research.kernels.verify import _err, _local, _worst, random_routing
@@ -229,10 +231,6 @@ def make_experts_forward(op, default_options: dict):
     """A GroupedExperts.forward computing with ``op(x, w1, w2, w3, counts, **options)``."""
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        from qwen3_research import titan
-
         w1, w2, w3 = titan.expert_weights(self)  # 0.3.x w1_EFD/w2_EDF/w3_EFD, 0.2.x w1/w2/w3
         if isinstance(w1, DTensor):  # same as torchtitan: local shards inside the local_map region
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
@@ -277,8 +275,6 @@ def verify_moe(module, shapes: dict, device, options: dict, *, op, default_optio
                compute_dtype: torch.dtype | None = None) -> list[tuple]:
     """Checks as (shapes, fwd_abs, fwd_rel, bwd_abs, bwd_rel, compute dtype name). ``compute_dtype``: the
     dtype the kernel computes in when it is fixed by the kernel (NKI MoE: bfloat16), else options.dtype."""
-    from qwen3_research import titan
-
     E, Fh, D = _local(titan.expert_weights(module)[0]).shape
     gen = torch.Generator().manual_seed(shapes.get("seed", 0))
     counts = random_routing(shapes["tokens"], E, shapes["top_k"], gen)

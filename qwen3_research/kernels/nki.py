@@ -63,6 +63,7 @@ from typing import Any, Callable
 
 import torch
 
+from qwen3_research import models, titan
 from qwen3_research.kernels.moe import install_experts, verify_moe
 from qwen3_research.kernels.registry import KernelSpec, Requirements, register
 from qwen3_research.kernels.rope import install_rope, verify_rope
@@ -183,6 +184,7 @@ class Backend:
 
 def neuron_backend() -> Backend:
     """The real one: imports torch_neuronx and nkilib (Neuron hosts only; called on install)."""
+    # deferred: optional platform packages (nki, nkilib, torch_neuronx exist on Neuron hosts only)
     import nki.language as nl
     from nkilib.core.embeddings.rope_hf import rope_hf
     from nkilib.core.moe.moe_cte.bwmm_shard_on_I import blockwise_mm_baseline_shard_intermediate
@@ -421,8 +423,6 @@ def _verify_rope(module, shapes, device, options):
 def _local_expert_shape(module, tp: int) -> tuple[int, int, int]:
     """(E, I_TP, H) one rank's kernel sees: the registry runs before sharding, and torchtitan's TP plan
     shards the experts' hidden width I (w1/w3 dim 1)."""
-    from qwen3_research import titan
-
     w1 = titan.expert_weights(module)[0]
     if hasattr(w1, "to_local"):
         return tuple(w1.to_local().shape)
@@ -457,8 +457,6 @@ def moe_cost(module, options, cfg, device, layers: int = 1) -> dict:
 
 def _top_k(cfg) -> int:
     """Routed rows per token: the native flavor's (or init_from architecture's) top-k."""
-    from qwen3_research import models
-
     return max(1, models.architecture(cfg.model).top_k)
 
 

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import importlib.util
 import logging
 import os
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch.nn as nn
 
-from qwen3_research import devices
+from qwen3_research import devices, titan
 from qwen3_research.errors import ConfigError
 
 log = logging.getLogger("qwen3_research.kernels")
@@ -144,10 +146,8 @@ def run_dtype(cfg) -> str:
     """The compute dtype a run resolves to: bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
     process, FSDP2 bf16 parameters when sharded), else float32."""
     mp = getattr(cfg.training, "mixed_precision", "none")
-    if mp == "auto":  # a config not resolved (resolve.auto_settings fills it in): bf16 on neuron only
-        from qwen3_research.host import device_kind_before_torch
-
-        mp = "bf16" if device_kind_before_torch(cfg.device.type) == "neuron" else "none"
+    if mp == "auto":  # a config not resolved (resolve fills it in): the device's default
+        mp = devices.get(devices.device_kind(cfg.device.type)).default_precision
     return "bfloat16" if mp == "bf16" else "float32"
 
 
@@ -229,8 +229,6 @@ class planning_for:
 def _effective(device):
     if not _PLANNED:
         return device
-    from types import SimpleNamespace
-
     return SimpleNamespace(type=_PLANNED["type"], lnc=_PLANNED["lnc"] or getattr(device, "lnc", None),
                            torch_device=getattr(device, "torch_device", None), planning=True)
 
@@ -252,8 +250,6 @@ def kernel_support(entries, device_type: str, lnc: int | None = None, option: st
 
 def _static_problems(spec, where: str, device_type: str, lnc: int | None, planning: bool = False) -> list[str]:
     """What does not depend on the model: device type, environment variable, LNC, importable modules."""
-    import importlib.util
-
     req = spec.requirements
     out = []
     if device_type not in req.devices:
@@ -296,8 +292,6 @@ def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
     kc = cfg.kernels
     option = getattr(kc, "option", None)
     # torchtitan 0.2.x has no RoPE module: the adapter adds one when a RoPE kernel is asked for.
-    from qwen3_research import titan
-
     titan.prepare_kernel_targets(model, rope=any(
         "CosSinRoPE" in KERNELS[e.name].module_types for e in kc.entries if e.name in KERNELS))
     modules = [(fqn, m) for fqn, m in model.named_modules() if fqn]

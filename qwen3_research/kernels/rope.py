@@ -12,6 +12,7 @@ Custom op: ``qwen3_research::rope_fast(x, cos, sin, transpose) -> y`` (fake impl
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_research.errors import ConfigError
 from qwen3_research.kernels.registry import KernelSpec, Measured, Requirements, register
@@ -102,8 +103,6 @@ def make_rope_forward(apply, pair: bool = False):
         return apply(q, k, cos, sin) if pair else (apply(q, cos, sin), apply(k, cos, sin))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor | None = None):
-        from torch.distributed.tensor import DTensor, Shard
-
         cache = self._reshape_cache(query, positions)
         if isinstance(cache, DTensor):
             cache = cache.to_local()

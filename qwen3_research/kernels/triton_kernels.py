@@ -39,6 +39,7 @@ BM, BN, BK = 32, 32, 32
 
 @functools.lru_cache(maxsize=None)
 def _k():
+    # deferred: optional platform package (triton may be absent: CPU-only and Neuron hosts)
     import triton
     import triton.language as tl
 

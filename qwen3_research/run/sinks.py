@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from qwen3_research.config import RunConfig
+from qwen3_research.run.rundir import wandb_state, write_wandb_state
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -76,8 +80,6 @@ class ConsoleSink(MetricSink):
 
     def start(self, config: dict, summary: dict) -> None:
         if self.print_config:
-            from omegaconf import OmegaConf
-
             self._write("config:\n" + OmegaConf.to_yaml(redact_secrets(config)).rstrip())
         self._write(" ".join(f"{k}={v}" for k, v in summary.items()))
 
@@ -287,8 +289,6 @@ class WandbSink(MetricSink):
     def _init(self, config: dict, mode: str):
         import wandb
 
-        from qwen3_research.run.rundir import wandb_state
-
         state = wandb_state(self.run_dir)
         self.logged_through = int(state.get("logged_through", 0))
         return wandb.init(
@@ -359,16 +359,12 @@ class WandbSink(MetricSink):
             self._fail("finish", e)
             return
         if getattr(self, "last_step", 0) > self.logged_through:  # delivered: a resume must not log these again
-            from qwen3_research.run.rundir import wandb_state, write_wandb_state
-
             write_wandb_state(self.run_dir, {**wandb_state(self.run_dir), "logged_through": self.last_step})
 
 
 def _offline_steps_delivered(run_dir: Path, run_id: str) -> int:
     """The last train/step the earlier offline segments of this W&B run hold, read with W&B's own reader
     (``wandb leet inspect``): a killed segment may have written some rows before it died."""
-    import subprocess
-
     last = 0
     for f in sorted(Path(run_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+from qwen3_research.errors import ConfigError
 from qwen3_research.titan import v02_seams as seams
 from qwen3_research.titan.common import needs
 
@@ -29,8 +30,6 @@ def check_supported(rc, *, moe: bool) -> None:
     what a kernel needs of the device and packages is ``kernels.registry.kernel_support``. ``moe``: the model
     is a Qwen3-MoE (the backend's spec says so).
     """
-    from qwen3_research.errors import ConfigError
-
     p = rc.parallelism
     if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(
