@@ -445,7 +445,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     if d.source == "hf" and not d.hf.name:
         raise ConfigError("data.hf.name is required with data=hf: a datasets Hub id or local path")
 
-    _choice("device.type", cfg.device.type, {"auto", "cpu", "cuda", "neuron"})
+    # device.type: its registered kinds are checked in resolve.check_device_settings (the devices package)
     ck = cfg.checkpoint
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)

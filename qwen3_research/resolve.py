@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -46,11 +45,10 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research import compiling
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research import models, slurm
 from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
 from qwen3_research.errors import ConfigError, log_call
-from qwen3_research.host import device_kind_before_torch
 from qwen3_research.kernels import KernelMatchWarning, kernel_support
 from qwen3_research.kernels import resolve as resolve_kernels
 from qwen3_research.kernels.registry import planning_for
@@ -211,28 +209,29 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     log_call("resolve_run")
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
-    elsewhere = plan and ((planned == "neuron" and importlib.util.find_spec("torch_neuronx") is None)
-                          or (planned == "cuda" and not _cuda_here()))
+    planned_spec = devices.REGISTRY.get(planned)
+    # A plan for a device this host lacks (Trainium, a GPU) is made on CPU; the host's own kind needs nothing.
+    elsewhere = bool(plan and planned_spec and not planned_spec.runs_on_host and not planned_spec.available())
     # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
     checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
     rc = validate(to_run_config(checked))
     check_device_settings(rc)
-    if elsewhere and planned == "neuron" and rc.device.memory_gib is None:
+    if elsewhere and planned_spec.planning_table is None and rc.device.memory_gib is None:
         raise ConfigError("device=neuron is not on this host: planning it needs device.memory_gib (GiB per rank, "
                           "e.g. device.memory_gib=24 for a trn2 rank at LNC=2)")
-    if elsewhere and planned == "cuda":
+    if elsewhere and planned_spec.planning_table is not None:
         devices.planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
     models.check(rc.model)  # the model backend's own rules (its spec)
     facts = models.describe(rc.model)
 
-    kind = planned if elsewhere else devices.requested_device_kind(rc.device.type)
+    kind = planned if elsewhere else devices.device_kind(rc.device.type)
     lnc = devices.resolve_lnc(rc.device.lnc, kind)
     p = rc.parallelism
     if elsewhere:  # the host's own count stands in for the planned host's (nothing to ask here)
         nproc = devices.host_nproc_per_node(None, p.nnodes) if p.nproc_per_node == -1 else p.nproc_per_node
     else:
         nproc = devices.resolve_nproc_per_node(p.nproc_per_node, kind, lnc)
-    if kind == "cpu" and not plan and not p.oversubscribe and _torchrun_world_size() is None:
+    if devices.get(kind).runs_on_host and not plan and not p.oversubscribe and _torchrun_world_size() is None:
         _check_cpu_ranks(nproc, devices.cpu_cores())
     degrees = validate_degrees(dataclasses.replace(p, nproc_per_node=nproc), seq_len=rc.data.seq_len,
                                world_size=_torchrun_world_size(), **facts)
@@ -257,10 +256,10 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
             support = tuple(kernel_support_here(rc, kind, lnc))
         if builds_here is None:
             builds_here = _torchrun_world_size() is not None or degrees.world_size == 1
-        if builds_here and kind != "cpu" and not devices.validate_only():
+        if builds_here and not devices.get(kind).runs_on_host and not devices.validate_only():
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
-            planning = plan and (planned == "neuron" or (planned == "cuda" and elsewhere))
+            planning = plan and (devices.get(kind).kernels_by_shape or elsewhere)
             targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
     precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
@@ -352,47 +351,20 @@ def _resolved_dict(cfg: DictConfig | dict | RunConfig) -> dict:
     return _resume_when_requeued(auto_settings(_balance_for_export(_loss_for_backend(cfg))))
 
 
-# -- what depends on the device kind: one table (the devices package's DeviceSpec fields when it lands) ------------
+# -- what depends on the device kind: its spec (qwen3_research/devices/<kind>.py) ---------------------------------
 
 
-@dataclass(frozen=True)
-class DeviceDefaults:
-    """What a device kind decides for a run that leaves it to ``auto``, and what it can capture."""
-
-    precision: str  # training.mixed_precision=auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere
-    loss: str  # training.loss=auto: chunked on cpu (measured faster, benchmarks/RESULTS.md), full where not measured
-    torch_profiler: bool  # profiling.steps gives a torch profiler trace (neuron: the Neuron runtime's capture)
-    memory_snapshot: bool  # profiling.memory_snapshot (PyTorch's CUDA/CPU allocator record)
-    unavailable: Callable[[], str | None] = lambda: None  # why this host cannot run it (None: it can)
-
-
-def _torchneuron_missing() -> str | None:
-    if importlib.util.find_spec("torch_neuronx") is None:
-        return ("device.type=neuron needs TorchNeuron (torch_neuronx from AWS's Neuron package index) on a "
-                "Trainium host; it is not installed here. Use device=cpu or device=cuda (README: 'Trainium hosts')")
-    return None
-
-
-DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
-    "cpu": DeviceDefaults(precision="none", loss="chunked", torch_profiler=True, memory_snapshot=True),
-    "cuda": DeviceDefaults(precision="none", loss="full", torch_profiler=True, memory_snapshot=True),
-    "neuron": DeviceDefaults(precision="bf16", loss="full", torch_profiler=False, memory_snapshot=False,
-                             unavailable=_torchneuron_missing),
-}
-_UNKNOWN_DEVICE = DeviceDefaults(precision="none", loss="full", torch_profiler=True, memory_snapshot=True)
-
-
-def device_defaults(device_type: str) -> tuple[str, DeviceDefaults]:
-    """(the device kind a run with ``device.type=device_type`` uses, its defaults), without importing torch
-    (``host.device_kind_before_torch``: auto is neuron where TorchNeuron is installed, cuda where the driver lists
-    a GPU, else cpu). An unknown type gets neutral defaults: ``config.validate`` names it."""
-    kind = device_kind_before_torch(device_type)
-    return kind, DEVICE_DEFAULTS.get(kind, _UNKNOWN_DEVICE)
+def device_spec(device_type: str) -> tuple[str, devices.DeviceSpec | None]:
+    """(the device kind a run with ``device.type=device_type`` uses, its spec), without importing torch
+    (``devices.device_kind``: auto is the first registered kind this host has). An unknown type has no spec:
+    ``check_device_settings`` names it."""
+    kind = devices.device_kind(device_type)
+    return kind, devices.REGISTRY.get(kind)
 
 
 def auto_settings(resolved: dict) -> dict:
     """``resolved`` (a plain config dict) with ``training.mixed_precision=auto`` and ``training.loss=auto``
-    replaced by the values this run uses, from its device kind (``DEVICE_DEFAULTS``): the one place an auto
+    replaced by the values this run uses, from its device kind's spec (``default_precision``, ``default_loss``): the one place an auto
     setting of the training section is filled in. Called before anything reads the config (a plan traces on CPU
     and must keep the Trainium value), so summary.json and W&B record the resolved values. A config option writes
     only its own section, so device=neuron cannot set these itself
@@ -400,28 +372,32 @@ def auto_settings(resolved: dict) -> dict:
     training = resolved.get("training", {})
     if not isinstance(training, dict):
         return resolved
-    _, defaults = device_defaults((resolved.get("device") or {}).get("type", "auto"))
+    _, spec = device_spec((resolved.get("device") or {}).get("type", "auto"))
+    if spec is None:  # an unknown device.type: check_device_settings refuses it, naming it
+        return resolved
     changed = {}
     if training.get("mixed_precision", "auto") == "auto":  # absent: the default
-        changed["mixed_precision"] = defaults.precision
+        changed["mixed_precision"] = spec.default_precision
     if training.get("loss", "auto") == "auto":
-        changed["loss"] = defaults.loss
+        changed["loss"] = spec.default_loss
     return {**resolved, "training": {**training, **changed}} if changed else resolved
 
 
 def check_device_settings(rc: RunConfig) -> None:
-    """What the run's device kind refuses (``DEVICE_DEFAULTS``): a device this host cannot run, and a profiling
-    capture the device does not have. One ConfigError line each."""
+    """What the run's device kind refuses (its spec): an unknown kind, a device this host cannot run
+    (``refused_before_torch``), and a profiling capture the device does not have. One ConfigError line each."""
     requested = rc.device.type
-    kind, defaults = device_defaults(requested)
-    if requested != "auto" and (why := defaults.unavailable()) is not None:
-        raise ConfigError(why)
+    if requested != devices.AUTO and requested not in devices.kinds():
+        raise ConfigError(f"device.type={requested!r} is not one of {sorted({devices.AUTO, *devices.kinds()})}")
+    kind, spec = device_spec(requested)
+    if requested != devices.AUTO and spec.refused_before_torch and not spec.present():
+        raise ConfigError(spec.refusal_prefix + spec.unavailable_reason())
     p = rc.profiling
-    if p.neuron_device_profile is not None and defaults.torch_profiler:
+    if p.neuron_device_profile is not None and spec.torch_profiler:
         raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "
                           f"(NEURON_RT_INSPECT_DEVICE_PROFILE) and device.type={requested} is not neuron; leave it unset "
                           "(profiling.steps gives a torch profiler trace on cpu and cuda)")
-    if p.memory_snapshot and not defaults.memory_snapshot:
+    if p.memory_snapshot and spec.memory_snapshot is None:
         raise ConfigError("profiling.memory_snapshot=true has no Neuron equivalent (the snapshot is PyTorch's CUDA/CPU "
                           "allocator record); on neuron set profiling.steps=[a,b]: the Neuron runtime profile shows "
                           "device memory")
@@ -481,12 +457,6 @@ def _check_cpu_ranks(nproc: int, cores: int) -> None:
             f"parallelism.nproc_per_node={nproc} starts {nproc} CPU ranks on the {cores} core(s) this process may use, "
             f"more than {CPU_RANKS_PER_CORE} per core (each rank is a whole process with its own torch); use at most "
             f"{CPU_RANKS_PER_CORE * cores}, or start them anyway with parallelism.oversubscribe=true")
-
-
-def _cuda_here() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _torchrun_world_size() -> int | None:

@@ -87,13 +87,13 @@ def test_default_run_trains_and_the_chunked_loss_equals_the_full_one(tmp_path):
 def test_training_loss_auto_is_the_same_choice_on_both_torchtitans():
     """auto: chunked on cpu, full on cuda and neuron, whichever torchtitan API is installed (0.2.x used to
     resolve it to full: it had no hidden states without the lm_head)."""
-    from qwen3_research.resolve import _loss_for_backend, device_defaults
+    from qwen3_research.resolve import _loss_for_backend, device_spec
 
     for backend in ("native", "native_moe"):
         for loss in ("auto", "chunked"):
             cfg = {"model": {"backend": backend}, "training": {"loss": loss}}
             assert _loss_for_backend(cfg)["training"]["loss"] == loss
-    assert (device_defaults("cpu")[1].loss, device_defaults("cuda")[1].loss) == ("chunked", "full")
+    assert (device_spec("cpu")[1].default_loss, device_spec("cuda")[1].default_loss) == ("chunked", "full")
 
 
 @pytest.mark.feature("HF import (model.init_from)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from qwen3_research import routing, titan
+from qwen3_research import devices, routing, titan
 from qwen3_research.config import ConfigError, ModelConfig
 from qwen3_research.models import registry
 from qwen3_research.models.base import ModelBackend
@@ -75,7 +75,7 @@ class NativeQwen3(ModelBackend):
             what = (f"model.init_from's max_position_embeddings" if cfg.init_from
                     else f"model.flavor={self.flavor_name}'s RoPE length")
             raise ConfigError(f"data.seq_len={seq_len} exceeds {what} {self.flavor.max_seq_len}")
-        if cfg.attention == "flex" and device.type != "cuda":
+        if cfg.attention == "flex" and not getattr(devices.REGISTRY.get(device.type), "flex_attention", False):
             raise ConfigError(
                 f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
                 f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
