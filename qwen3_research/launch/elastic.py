@@ -26,7 +26,6 @@ from qwen3_research import device as devices
 from qwen3_research import models, slurm, startup
 from qwen3_research.compose import compose
 from qwen3_research.config import RunConfig
-from qwen3_research.device import resolve_device_type
 from qwen3_research.parallel import rendezvous
 from qwen3_research.profiling import neuron_environment
 from qwen3_research.run.checkpoint import find_checkpoint
@@ -290,7 +289,7 @@ def _write_summary(run_dir: Path, summary: dict) -> None:
     os.replace(tmp, run_dir / "summary.json")
 
 
-def _start_method(rc: RunConfig) -> str:
+def _start_method(run: ResolvedRun) -> str:
     """How the worker processes start: ``fork`` on CPU, ``spawn`` on cuda and neuron.
 
     A forked worker starts from this process, which has already imported torch and this
@@ -306,7 +305,7 @@ def _start_method(rc: RunConfig) -> str:
     """
     if startup.trainer_built():
         return "spawn"
-    return "fork" if resolve_device_type(rc.device.type) == "cpu" else "spawn"
+    return "fork" if run.device_kind == "cpu" else "spawn"
 
 
 def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
@@ -328,7 +327,7 @@ def _elastic(run: ResolvedRun, info: RunInfo) -> dict:
         rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.1,
-        start_method=_start_method(rc),
+        start_method=_start_method(run),
     )
     try:
         with _sigint_held_for_workers(), _no_worker_left_behind(), _elastic_logs_off_console(), \
@@ -458,7 +457,7 @@ def run(cfg: DictConfig | None, run_dir: str, *, resolved: ResolvedRun | None = 
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
                        prediction=prediction or {})
-        if resolved.device_type == "neuron":  # the runtime reads its profiler variables when it starts: before any worker
+        if resolved.device_kind == "neuron":  # the runtime reads its profiler variables when it starts: before any worker
             os.environ.update(neuron_environment(rc.profiling, run_path))
         if under_torchrun() or resolved.world_size == 1:
             summary = worker(resolved, asdict(info))
