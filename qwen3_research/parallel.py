@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from qwen3_research import slurm
+from qwen3_research import slurm, titan
 from qwen3_research.config import ConfigError, ParallelismConfig
 
 
@@ -195,8 +195,6 @@ def build_parallel_dims(d: Degrees, device_type: str, *, single_process_mesh: bo
     """
     import torch.distributed as dist
 
-    from qwen3_research import titan
-
     dims = titan.parallel_dims(d)
     if not d.sharded and single_process_mesh and not dist.is_initialized():
         backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
@@ -215,8 +213,6 @@ def torchtitan_training_configs(d: Degrees, *, activation_checkpoint: str, compi
     and backward (half the gathered bytes and all-gather volume), float32 master weights, gradients reduced and kept
     in float32, float32 AdamW state; no autocast (``resolve.PrecisionPlan``). One process keeps autocast over
     float32 parameters."""
-    from qwen3_research import titan
-
     return titan.training_configs(
         d, activation_checkpoint=activation_checkpoint, compile_backend=compile_cfg.backend or "inductor",
         mixed_precision=mixed_precision, run_dir=run_dir,
@@ -229,8 +225,6 @@ def has_fsdp_units(d: Degrees, *, torchtitan: bool) -> bool:
     compares the built model). torchtitan 0.3.x wraps every sharded layout (``apply_fsdp_to_decoder``), 0.2.x only
     with dp_shard > 1 (its ``fsdp_enabled``; dp_replicate alone is DDP, tp alone has none); the HF backend wraps
     with dp_shard or dp_replicate > 1 (``HFModel.parallelize``)."""
-    from qwen3_research import titan
-
     if not d.sharded:
         return False
     if torchtitan:

@@ -23,6 +23,14 @@ them refuse the same configurations with the same one line, in the same order:
    kernel's own shape checks; refused as a worker would refuse them), so a bad kernel target fails before any
    worker starts. An entry that matches nothing is a warning, as in a run.
 
+Each process resolves once (tests/test_resolve.py::test_one_cli_run_resolves_and_composes_once_per_process): the
+CLI before Hydra starts (``launch.elastic.resolve_before_hydra``), handing the description to Hydra's task and the
+launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it; ``at_run_dir`` then checks the run
+dir once (``rundir.check_run_dir``, ``checkpoint.preflight`` inside it) and records what a resume or ``init_from``
+loads. The auto settings are filled in one place (``auto_settings``, from ``DEVICE_DEFAULTS``: what each device kind
+decides); ``config.to_run_config`` and ``config.validate`` are pure. ``training.mixed_precision`` becomes a
+``PrecisionPlan`` here (``precision_plan``; docs/PRECISION_WALK.md), which the Trainer applies and checks.
+
 Nothing mutates the composed config afterwards. The resolved values live in the description: ``config`` (the
 plain dict the workers get and summary.json and W&B record) and ``rc`` (the same, typed) carry
 ``data.batch_size`` and ``training.mixed_precision`` as resolved; ``parallelism.nproc_per_node`` stays as

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_research.config import RunConfig, validate
+from qwen3_research.config import validate as config_validate
 from qwen3_research.errors import ConfigError
 from tests.conftest import FAST, run_cli, wandb_records
 
@@ -86,6 +87,11 @@ def test_each_device_s_capture_on_its_device_only(monkeypatch):
 
     from qwen3_research.profiling import Profiler, neuron_environment
     from qwen3_research.resolve import check_device_settings  # the device kind's refusals (its spec)
+
+    from qwen3_research.resolve import check_device_settings  # the device kind's rules (resolve.DEVICE_DEFAULTS)
+
+    def validate(rc):
+        return check_device_settings(config_validate(rc))
 
     rc = RunConfig()
     rc.device.type, rc.profiling.neuron_device_profile = "cpu", "session"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from qwen3_research.compose import compose, is_sweep_value
 from qwen3_research.errors import ConfigError
 from qwen3_research.slurm import SLURM_TIMEOUT_S
 
@@ -65,8 +66,6 @@ def preflight(overrides: list[str]) -> None:
     """Raise ConfigError when a ``hydra/launcher=slurm`` request cannot be met. Swept values are not checked."""
     if not uses_slurm(overrides):
         return
-    from qwen3_research.compose import compose, is_sweep_value
-
     fixed = [o for o in overrides if not is_sweep_value(o.partition("=")[2])]
     try:
         cfg = compose(fixed, return_hydra_config=True)

@@ -12,7 +12,15 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qwen3_research import fit
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
+from qwen3_research.config import WandbConfig, to_run_config, validate
+from qwen3_research.errors import ConfigError
+from qwen3_research.planner import make_plan
+from qwen3_research.report import EXIT_SOME_FAILED, POINT_COLUMNS, best_point_line, find_runs, report, sweep_points
+from qwen3_research.run.sinks import log_sweep_table
+from qwen3_research.signals import Interrupted, signal_number
+from qwen3_research.startup import quiet_libraries
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
@@ -36,8 +44,6 @@ class SweepReport(Callback):
             in_a_forked_child(lambda: plan_points(config, Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from qwen3_research.report import EXIT_SOME_FAILED, find_runs, report
-
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
@@ -126,13 +132,8 @@ def wandb_group(sweep_dir: Path) -> str:
 def sweep_summary(runs, sweep_dir: Path, config: DictConfig) -> str:
     """The grid of the two swept keys to W&B as the sweep group's summary table (with the heatmap), and the
     one-line summary: the best point by tokens/s that fit."""
-    from qwen3_research.report import POINT_COLUMNS, best_point_line, sweep_points
-    from qwen3_research.run.sinks import log_sweep_table
-
     points = sweep_points(runs, [sweep_dir])
     if points and config.get("logging") is not None:
-        from qwen3_research.config import WandbConfig
-
         wandb_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WandbConfig), config.logging.wandb))
         heatmap = sweep_dir / "heatmap.png"
         log_sweep_table(wandb_cfg, sweep_dir, wandb_group(sweep_dir), POINT_COLUMNS,
@@ -144,9 +145,6 @@ def stop_sweep(sweep_dir: Path, point_dir: str, e: BaseException) -> int:
     """A signal stopped a point (it saved as a run does): start no further point, write the report of what
     ran (the stopped point marked ``interrupted`` at its step), say how to resume; return 128 + signal."""
     import signal as signals
-
-    from qwen3_research.report import report
-    from qwen3_research.signals import Interrupted, signal_number
 
     signum = signal_number(e)
     saved = (f"after step {e.step}, " + (f"checkpoint saved to {e.checkpoint}" if e.checkpoint else "no checkpoint saved")
@@ -211,11 +209,6 @@ def plan_key(composed: dict) -> str:
 def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Points whose
     configs differ only in ``PLAN_FREE_KEYS`` are traced once; each point's own values are still validated."""
-    from qwen3_research.config import to_run_config, validate
-    from qwen3_research.errors import ConfigError
-    from qwen3_research.planner import make_plan
-    from qwen3_research.startup import quiet_libraries
-
     quiet_libraries()  # torchtitan's INFO lines ("Total parameter count") per traced point stay off the console
     planned: dict[str, dict] = {}
 
@@ -271,8 +264,6 @@ def _fitted(entry: dict, composed: dict, job: list[str], swept: set[str]) -> dic
     the swept keys and the keys its command line sets kept; the entry then is that variant's plan, with what changed
     (``adjusted``: key -> [configured, used]) and the overrides that change it. Nothing fits: the entry keeps its
     verdict (the point is skipped) and says what dominates."""
-    from qwen3_research import fit
-
     result = fit.search(composed, frozen=swept | fit.explicit_keys(job), k=1, echo=lambda msg: None)
     if not result.fits:
         return {**entry, "fit": f"no variant fits: {result.dominant}"}
@@ -315,12 +306,11 @@ def _interrupted_checkpoint(cfg: DictConfig, run_path: Path, summary: dict) -> P
     """The checkpoint an interrupted point continues from (None: it was not interrupted, or saved nothing)."""
     if summary.get("status") != "interrupted" or cfg.checkpoint.resume:
         return None
-    from qwen3_research.run.checkpoint import find_checkpoint
-    from qwen3_research.errors import ConfigError
-    from qwen3_research.run.rundir import checkpoint_root
+    # deferred: start-up (__main__ imports this module at the top; torch loads only to resume a point)
+    from qwen3_research.run.checkpoint import checkpoint_root, find_checkpoint
 
     try:
-        return find_checkpoint("auto", checkpoint_root(cfg, run_path))
+        return find_checkpoint("auto", checkpoint_root(cfg.checkpoint, run_path))
     except ConfigError:
         return None
 
