@@ -193,6 +193,7 @@ SPEC = register(DeviceSpec(
     present=present,
     available=available,
     visible=present,  # asked without importing TorchNeuron (a launching parent starts no runtime)
+    refused_before_torch=True,  # TorchNeuron not installed: nothing else decides, refused at validation
     unavailable_reason=unavailable_reason,
     local_devices=_local_devices,
     prepare_launch=_prepare_launch,

@@ -48,6 +48,7 @@ class DeviceSpec:
     visible: Callable[[], bool]  # torch-checked without importing or starting the kind's runtime (a launching parent)
     unavailable_reason: Callable[[], str]  # why ``available`` is False, and the fix (one line)
     local_devices: Callable[[int | None], int]  # devices of this host at an LNC (nproc_per_node=-1)
+    refused_before_torch: bool = False  # ``present()`` is exact: validation refuses device.type=<kind> without torch
     refusal_prefix: str = ""  # what a refused device.type=<kind> says before ``unavailable_reason``
     refused_before_torch: bool = False  # a run asking for it on a host where ``present()`` is False is a config
     # error at start-up, before torch loads (neuron: TorchNeuron missing); else torch's check refuses it later
