@@ -391,7 +391,7 @@ def auto_settings(resolved: dict) -> dict:
     return {**resolved, "training": {**training, **changed}} if changed else resolved
 
 
-def check_device_settings(rc: RunConfig) -> None:
+def check_device_settings(rc: RunConfig) -> RunConfig:
     """What the run's device kind refuses (its spec): an unknown kind, a device this host cannot run
     (``refused_before_torch``), and a profiling capture the device does not have. One ConfigError line each."""
     requested = rc.device.type
@@ -409,6 +409,7 @@ def check_device_settings(rc: RunConfig) -> None:
         raise ConfigError("profiling.memory_snapshot=true has no Neuron equivalent (the snapshot is PyTorch's CUDA/CPU "
                           "allocator record); on neuron set profiling.steps=[a,b]: the Neuron runtime profile shows "
                           "device memory")
+    return rc
 
 
 def _balance_for_export(cfg: dict) -> dict:

@@ -86,9 +86,8 @@ def test_each_device_s_capture_on_its_device_only(monkeypatch):
     import importlib.util
 
     from qwen3_research.profiling import Profiler, neuron_environment
-    from qwen3_research.resolve import check_device_settings  # the device kind's refusals (its spec)
 
-    from qwen3_research.resolve import check_device_settings  # the device kind's rules (resolve.DEVICE_DEFAULTS)
+    from qwen3_research.resolve import check_device_settings  # the device kind's rules (its DeviceSpec)
 
     def validate(rc):
         return check_device_settings(config_validate(rc))
@@ -96,16 +95,16 @@ def test_each_device_s_capture_on_its_device_only(monkeypatch):
     rc = RunConfig()
     rc.device.type, rc.profiling.neuron_device_profile = "cpu", "session"
     with pytest.raises(ConfigError, match="profiling.neuron_device_profile='session' is a Neuron runtime capture"):
-        check_device_settings(validate(rc))
+        validate(rc)
     real = importlib.util.find_spec  # a Trainium host: torch_neuronx installed
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch_neuronx" else real(name, *a))
     rc = RunConfig()
     rc.device.type, rc.profiling.memory_snapshot = "neuron", True
     with pytest.raises(ConfigError, match="profiling.memory_snapshot=true has no Neuron equivalent"):
-        check_device_settings(validate(rc))
+        validate(rc)
     rc.profiling.memory_snapshot, rc.profiling.steps, rc.profiling.neuron_device_profile = False, [2, 3], "session"
     rc.training.steps = 4
-    check_device_settings(validate(rc))
+    validate(rc)
     assert neuron_environment(rc.profiling, Path("/runs/r")) == {
         "NEURON_RT_INSPECT_ENABLE": "1", "NEURON_RT_INSPECT_OUTPUT_DIR": "/runs/r/profiling/neuron",
         "NEURON_RT_INSPECT_DEVICE_PROFILE": "session"}

@@ -199,7 +199,6 @@ SPEC = register(DeviceSpec(
     prepare_launch=_prepare_launch,
     # bf16 as AWS's Trainium recipes (torchtitan's mixed_precision_param default, bfloat16, in
     # parmoham-aws/test-repo-parmoham docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml)
-    refused_before_torch=True,
     default_precision="bf16",
     default_loss="full",  # the chunked loss has not been measured on Trainium
     compile_backend="neuron",

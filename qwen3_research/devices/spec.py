@@ -50,9 +50,6 @@ class DeviceSpec:
     local_devices: Callable[[int | None], int]  # devices of this host at an LNC (nproc_per_node=-1)
     refused_before_torch: bool = False  # ``present()`` is exact: validation refuses device.type=<kind> without torch
     refusal_prefix: str = ""  # what a refused device.type=<kind> says before ``unavailable_reason``
-    refused_before_torch: bool = False  # a run asking for it on a host where ``present()`` is False is a config
-    # error at start-up, before torch loads (neuron: TorchNeuron missing); else torch's check refuses it later
-    # (cuda: a plan for a GPU is made on a host without one)
     prepare_launch: Callable[[int], None] = _nothing  # (world_size) before any worker or runtime starts
     # -- what auto settings become -------------------------------------------------------------------------
     default_precision: str = "none"  # training.mixed_precision=auto: bf16 | none
