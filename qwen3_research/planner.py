@@ -28,7 +28,7 @@ from qwen3_research import compiling, models, parallel, titan
 from qwen3_research import device as devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
-from qwen3_research.resolve import resolve_run
+from qwen3_research.resolve import ResolvedRun, resolve_run
 from qwen3_research.step import Placement, build_step
 
 TIGHT_FRACTION = 0.85  # above this share of the capacity: "tight" (allocator fragmentation, runtime buffers)
@@ -290,11 +290,11 @@ def capacity(rc, nproc_per_node: int = 1) -> tuple[float, str]:
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
-def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
+def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     """Resolve like a run (``resolve.resolve_run``, planned for the run's device: a Trainium run checked as
-    a run would be, except that TorchNeuron is not required), then trace rank 0 and the largest rank (only
-    rank 0 when every shard is even, unless ``trace_all``)."""
-    run = resolve_run(resolved, plan=True)
+    a run would be, except that TorchNeuron is not required; ``resolved`` may be that resolution already), then
+    trace rank 0 and the largest rank (only rank 0 when every shard is even, unless ``trace_all``)."""
+    run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
     planned = run.config["device"]["type"]
     gpu_peak = None
