@@ -1,9 +1,10 @@
 """``python -m qwen3_research.plan [the same overrides as a run]``: per-rank memory and feasibility, on CPU.
 
-It traces one real training step of this project's own Trainer -- model build, torchtitan sharding,
-kernel overrides, and the step's own methods (``forward_backward`` on the run's micro-batches,
-``clip_gradients``, ``optimizer_step``) -- on fake tensors (``torch._subclasses.FakeTensorMode``) over
-a fake process group (``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
+It traces one real training step of the run's own step (``step.build_step``, the Trainer's builder) -- model
+build, torchtitan sharding, kernel overrides, and the step's one order (``Step.__call__``: ``forward_backward`` on
+the run's micro-batches, ``clip_gradients``, ``optimizer_step``) -- under a trace placement
+(``planner.trace_placement``): on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
+(``torch.testing._internal.distributed.fake_pg``), nothing in the run's config rewritten, with PyTorch's ``MemTracker``
 (``qwen3_research.memory``), so the prediction follows the code that will run. No
 tensor memory is allocated: 8B over 64 ranks plans on a laptop (4B over 64 FSDP ranks at seq 4096:
 about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-check.
@@ -12,9 +13,10 @@ Rank roles: rank 0 and the largest rank. When every sharded parameter dimension 
 its mesh axis (``evenly_sharded``) every rank holds the same shapes and runs the same operators, so
 only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the largest rank anyway.
 
-Two things a real run does outside the tracked step are kept outside it here too
-(``_as_outside_fake_mode``): host work on the device mesh, and DTensor's sharding propagation, which
-runs operators on global-shape fake tensors in a fake mode of its own. The tracker keeps only the
+Two things a real run does outside the tracked step are kept outside it here too: host work (the
+device mesh, built by the trace placement on the host and concatenated by FSDP; the meta-device model
+build: ``planner._HostWork``), and DTensor's sharding propagation, which runs operators on global-shape
+fake tensors in a fake mode of its own (``planner._sharding_propagation_in_its_own_fake_mode``). The tracker keeps only the
 whole-rank peak (``memory.peak_tracker``: upstream also walks every module after every operator).
 
 Not modelled: allocations a collective backend makes internally. On CPU, gloo's reduce-scatter copies

@@ -158,6 +158,7 @@ class Step:
                 total += self.forward_backward(batch)
         grad_norm = self.clip_gradients()
         if total is None:
+            del grad_norm  # a 0-dim tensor a trace has never held through the update (the plan's bytes unchanged)
             self.optimizer_step()
             self.state.step += 1
             return None
