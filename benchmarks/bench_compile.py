@@ -37,10 +37,10 @@ def one(flavor: str, mode: str, steps: int, seq_len: int, batch: int) -> dict:
     decision = compiling.CompileDecision(True, "bench", "inductor")
     if mode.startswith("blocks"):
         what = compiling.apply(trainer.backend.model, decision, fullgraph=False, is_moe=False)
-        trainer._cross_entropy = compiling.compiled_cross_entropy(decision)
+        trainer.step.cross_entropy = compiling.compiled_cross_entropy(decision)  # the step's loss (step.Step)
     elif mode == "whole":
         trainer.backend.model = torch.compile(trainer.backend.model)
-        trainer._cross_entropy = compiling.compiled_cross_entropy(decision)
+        trainer.step.cross_entropy = compiling.compiled_cross_entropy(decision)  # the step's loss (step.Step)
         what = "whole model + loss"
     else:
         what = "eager"

@@ -37,6 +37,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from qwen3_research import device as devices
+from qwen3_research import models
+from qwen3_research.planner import GIB, capacity, estimate, make_plan
+from qwen3_research.resolve import ResolvedRun, resolve_run
+
 AC_LEVELS = ("none", "selective", "full")
 KNOB_KEYS = ("data.batch_size", "training.grad_accum", "parallelism.activation_checkpoint", "training.loss",
              "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel")
@@ -167,37 +174,25 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
     return out
 
 
-def _peak_ratio(device_type: str) -> float:
-    """How much faster the device's dense bf16 peak is than its fp32 one (below 1 on a CPU without bf16 units)."""
-    from qwen3_research import device as devices
-
+def _peak(device_type: str, bf16: bool) -> float:
+    """The device's dense peak FLOP/s per rank in bf16 (``bf16``) or fp32: the one place fit reads a device's peak
+    (a device's reference peak table replaces its body). Neuron: an LNC=2 rank of Trainium2; cuda: H100/H200 SXM
+    datasheet, 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK); a CPU: its own matmul rates, measured once and
+    cached (device.cached_cpu_peak) -- without bf16 units (AVX2-only) bf16 is emulated and ~100x slower, with
+    AVX512-BF16 or AMX it is the faster one (GUIDE §7)."""
     if device_type == "neuron":
-        return devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
-    if device_type == "cuda":  # H100/H200 SXM datasheet: 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK)
-        return 989e12 / devices.GPU_FP32_BY_BF16_PEAK[989e12]
-    # A CPU: its own matmul rates, measured once and cached (device.cached_cpu_peak). Without bf16 units (AVX2-only)
-    # bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one (GUIDE §7).
-    import torch
-
-    return devices.cached_cpu_peak(torch.bfloat16) / devices.cached_cpu_peak(torch.float32)
-
-
-def _fp32_peak(device_type: str) -> float:
-    from qwen3_research import device as devices
-
-    if device_type == "neuron":
-        return devices.TRN2_CORE_PEAK["fp32"] * 2  # an LNC=2 rank
-    if device_type == "cuda":
-        return devices.GPU_FP32_BY_BF16_PEAK[989e12]
-    import torch
-
-    return devices.cached_cpu_peak(torch.float32)  # this CPU's measured fp32 matmul rate (all of its threads)
+        fp32, ratio = devices.TRN2_CORE_PEAK["fp32"] * 2, devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
+    elif device_type == "cuda":
+        fp32 = devices.GPU_FP32_BY_BF16_PEAK[989e12]
+        ratio = 989e12 / fp32
+    else:
+        fp32 = devices.cached_cpu_peak(torch.float32)  # this CPU's measured fp32 matmul rate (all of its threads)
+        ratio = devices.cached_cpu_peak(torch.bfloat16) / fp32 if bf16 else 1.0
+    return fp32 * ratio if bf16 else fp32
 
 
 def cost(c: Candidate, run) -> None:
     """Fill ``compute_s`` and ``comm_bytes`` of ``c`` (see the module docstring)."""
-    from qwen3_research import models
-
     rc, world = run.rc, run.degrees.world_size
     f = models.architecture(rc.model)
     seq = rc.data.seq_len
@@ -213,7 +208,7 @@ def cost(c: Candidate, run) -> None:
         recompute = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}[c.ac] * block_share
     flops = per_token * global_tokens * (1 + recompute) / world
     device_type = run.device_type if not run.planned_elsewhere else "neuron"
-    peak = _fp32_peak(device_type) * (_peak_ratio(device_type) if c.bf16 else 1.0)
+    peak = _peak(device_type, c.bf16)
     c.compute_s = flops / peak
     if f is None:
         return
@@ -243,14 +238,12 @@ def _needs_at_least(c: Candidate, failed: Candidate) -> bool:
             and c.bf16 <= failed.bf16)
 
 
-def search(config: dict, *, frozen: set[str] = frozenset(), k: int = 3, echo=None) -> FitResult:
-    """The fitting variants of ``config`` (a composed, resolved config dict), cheapest first (at most ``k``)."""
-    from qwen3_research.planner import GIB, capacity, estimate, make_plan
-    from qwen3_research.resolve import resolve_run
-
+def search(config: dict | ResolvedRun, *, frozen: set[str] = frozenset(), k: int = 3, echo=None) -> FitResult:
+    """The fitting variants of ``config`` (a composed, resolved config dict, or its ``resolve_run`` for a plan),
+    cheapest first (at most ``k``)."""
     echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    run = resolve_run(config, plan=True)
+    run = config if isinstance(config, ResolvedRun) else resolve_run(config, plan=True)
     cap = capacity(run.rc, run.nproc_per_node)[0]
     cands = candidates(run, frozen)
     for c in cands:
@@ -288,9 +281,6 @@ def _smallest(cands: list[Candidate], run, cap: float, echo) -> tuple[Candidate 
     """The candidate that needs the least memory and what dominates it: the exact state bytes (float32 parameters,
     gradients and AdamW state over the ranks that shard them) when they alone exceed the capacity, else its trace's
     largest term."""
-    from qwen3_research.planner import GIB, estimate, make_plan
-    from qwen3_research.resolve import resolve_run
-
     if not cands:
         return None, "no legal variant of this configuration (the world allows no other layout)"
     best = min(cands, key=lambda c: (-c.tp, _memory_order(c)))

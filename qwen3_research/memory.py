@@ -86,14 +86,20 @@ def track_step(step_fn, model, optimizer, world_size: int = 1, categories: list 
     receives, per rank, ``{"at_peak": bytes by category at that rank's peak (the rows qwen3_research.plan prints),
     "max": each category's largest bytes over the step}``.
     """
-    import torch
-
     result, cats, peak, most = tracked(step_fn, model, optimizer)
-    mine = (peak, {"at_peak": cats, "max": most})
-    rows = [mine]
-    if world_size > 1:
-        rows = [None] * world_size
-        torch.distributed.all_gather_object(rows, mine)
+    rows = gather_objects((peak, {"at_peak": cats, "max": most}), world_size)
     if categories is not None:
         categories[:] = [c for _, c in rows]
     return result, [p for p, _ in rows]
+
+
+def gather_objects(obj, world_size: int) -> list:
+    """Every rank's ``obj`` (picklable), in rank order: ``all_gather_object`` over the default process group
+    (collective: every rank calls it), ``[obj]`` in a one-process run."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    rows = [None] * world_size
+    dist.all_gather_object(rows, obj)
+    return rows

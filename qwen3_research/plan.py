@@ -1,9 +1,10 @@
 """``python -m qwen3_research.plan [the same overrides as a run]``: per-rank memory and feasibility, on CPU.
 
-It traces one real training step of this project's own Trainer -- model build, torchtitan sharding,
-kernel overrides, and the step's own methods (``forward_backward`` on the run's micro-batches,
-``clip_gradients``, ``optimizer_step``) -- on fake tensors (``torch._subclasses.FakeTensorMode``) over
-a fake process group (``torch.testing._internal.distributed.fake_pg``) with PyTorch's ``MemTracker``
+It traces one real training step of the run's own step (``step.build_step``, the Trainer's builder) -- model
+build, torchtitan sharding, kernel overrides, and the step's one order (``Step.__call__``: ``forward_backward`` on
+the run's micro-batches, ``clip_gradients``, ``optimizer_step``) -- under a trace placement
+(``planner.trace_placement``): on fake tensors (``torch._subclasses.FakeTensorMode``) over a fake process group
+(``torch.testing._internal.distributed.fake_pg``), nothing in the run's config rewritten, with PyTorch's ``MemTracker``
 (``qwen3_research.memory``), so the prediction follows the code that will run. No
 tensor memory is allocated: 8B over 64 ranks plans on a laptop (4B over 64 FSDP ranks at seq 4096:
 about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-check.
@@ -12,9 +13,10 @@ Rank roles: rank 0 and the largest rank. When every sharded parameter dimension 
 its mesh axis (``evenly_sharded``) every rank holds the same shapes and runs the same operators, so
 only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the largest rank anyway.
 
-Two things a real run does outside the tracked step are kept outside it here too
-(``_as_outside_fake_mode``): host work on the device mesh, and DTensor's sharding propagation, which
-runs operators on global-shape fake tensors in a fake mode of its own. The tracker keeps only the
+Two things a real run does outside the tracked step are kept outside it here too: host work (the
+device mesh, built by the trace placement on the host and concatenated by FSDP; the meta-device model
+build: ``planner._HostWork``), and DTensor's sharding propagation, which runs operators on global-shape
+fake tensors in a fake mode of its own (``planner._sharding_propagation_in_its_own_fake_mode``). The tracker keeps only the
 whole-rank peak (``memory.peak_tracker``: upstream also walks every module after every operator).
 
 Not modelled: allocations a collective backend makes internally. On CPU, gloo's reduce-scatter copies
@@ -47,7 +49,13 @@ the first (``_optimizer_state_as_after_one_step``). The same tracker measures a 
 
 from __future__ import annotations
 
+import json
 import sys
+
+from qwen3_research.compose import compose_resolved
+from qwen3_research.errors import ConfigError
+from qwen3_research.resolve import resolve_run
+from qwen3_research.startup import quiet_libraries, run_tool
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 4
@@ -57,11 +65,6 @@ PLAN_FLAGS = ("--fit", "--json", "--trace-all-roles", "--help")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qwen3_research.compose import compose_resolved
-    from qwen3_research.errors import ConfigError
-    from qwen3_research.planner import make_plan, render
-    from qwen3_research.startup import quiet_libraries
-
     quiet_libraries()  # the trace builds the run's model: its library warnings as one line each
 
     argv = sys.argv[1:] if argv is None else argv
@@ -79,17 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
     fit = "--fit" in argv  # search the variants that fit (qwen3_research.fit)
     argv = [a for a in argv if a not in ("--json", "--trace-all-roles", "--fit")]
-    if fit:
-        return _fit(argv, as_json)
-    try:
-        plan = make_plan(compose_resolved(argv), trace_all=trace_all)
+    try:  # resolved as a run would be, before the trace's heavy half is imported: a config error exits without it
+        run = resolve_run(compose_resolved(argv), plan=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    print(render(plan), flush=True)
-    if as_json:
-        import json
+    # deferred: start-up (the heavy half: torch and the step's parts, after a config error has exited)
+    from qwen3_research import fit as fitting, planner
 
+    if fit:
+        return _fit(fitting, argv, run, as_json)
+    try:
+        plan = planner.make_plan(run, trace_all=trace_all)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(planner.render(plan), flush=True)
+    if as_json:
         print(json.dumps({**plan.as_dict(), "per_rank_peak_bytes": plan.per_rank_peak(), "mirrored_ranks": plan.mirrored,
                           "per_rank_traced_bytes": {r.rank: r.traced for r in plan.ranks},
                           "per_rank_param_shard_bytes": {r.rank: r.param_shards for r in plan.ranks},
@@ -100,20 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
 
 
-def _fit(argv: list[str], as_json: bool) -> int:
-    from qwen3_research import fit
-    from qwen3_research.compose import compose_resolved
-    from qwen3_research.errors import ConfigError
-
+def _fit(fit, argv: list[str], run, as_json: bool) -> int:
     try:
-        result = fit.search(compose_resolved(argv), frozen=fit.explicit_keys(argv))
+        result = fit.search(run, frozen=fit.explicit_keys(argv))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     print(fit.render(result, argv), flush=True)
     if as_json:
-        import json
-
         print(json.dumps({"fits": [{"overrides": fit.replace_overrides(argv, c.changes), "changes": c.changes,
                                     "predicted_peak_gib": round(c.plan.peak_gib, 4), "compute_s": c.compute_s,
                                     "comm_bytes": c.comm_bytes} for c in result.fits],
@@ -123,6 +126,4 @@ def _fit(argv: list[str], as_json: bool) -> int:
 
 
 if __name__ == "__main__":
-    from qwen3_research.startup import run_tool
-
     sys.exit(run_tool(main, "the plan was stopped; nothing was written"))

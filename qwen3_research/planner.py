@@ -9,11 +9,27 @@ says what is traced and how. A sweep plans its points here before the first one 
 from __future__ import annotations
 
 import contextlib
-import os
+import functools
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qwen3_research import compiling, models, parallel, titan
+from qwen3_research import device as devices
+from qwen3_research.kernels.registry import planning_for
+from qwen3_research.memory import tracked
+from qwen3_research.resolve import ResolvedRun, resolve_run
+from qwen3_research.step import Placement, build_step
 
 TIGHT_FRACTION = 0.85  # above this share of the capacity: "tight" (allocator fragmentation, runtime buffers)
 GIB = 1024**3
@@ -82,7 +98,7 @@ class Plan:
 
 
 # -- the trace ---------------------------------------------------------------------------------
-def _optimizer_state_as_after_one_step(trainer) -> None:
+def _optimizer_state_as_after_one_step(step) -> None:
     """Create the optimizer's state (AdamW's two moments per parameter) as the first step does.
 
     Every step after the first runs its forward and backward with that state alive, so a run's peak is
@@ -90,122 +106,109 @@ def _optimizer_state_as_after_one_step(trainer) -> None:
     values do not matter: zero gradients and one untracked optimizer step give the state its real shapes,
     dtypes and placements; the traced step is then a steady one.
     """
-    import torch
-
-    for p in trainer.backend.model.parameters():
+    for p in step.backend.model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
 
 
-def _traced_step(trainer) -> None:
-    """One step of the Trainer's own methods, as ``Trainer.train_step`` runs them: ``forward_backward`` on each
-    micro-batch of the run's data, ``clip_gradients``, ``optimizer_step``. Left out: what reads a value on the
-    host (the loss all-reduce and its ``float``, the NaN policy), which a fake tensor does not have."""
-    for batch in trainer.micro_batches(0):
-        trainer.forward_backward(batch)
-    trainer.clip_gradients()
-    trainer.optimizer_step()
+def trace_placement(run, rank: int, world: int) -> Placement:
+    """Where the planner builds ``run``'s step: fake CPU tensors (torchtitan prepared for the CPU), ``rank`` of
+    ``world`` on the fake process group ``trace_rank`` started, torchtitan's mesh built on it here, on the host
+    (a mesh reads its rank map with ``tolist`` and ``nonzero``, which fake tensors do not have), and a gather that
+    gives every slot this rank's object (the fake group has no other rank)."""
+    cpu = "cpu"  # the fake tensors' dispatch path, whatever device the run is planned for
+    devices.prepare_torchtitan(cpu)
+    device = devices.Device(cpu, 0, run.rc.device.lnc, gpu_peak_table=titan.gpu_peak_flops)
+    parallel_dims = parallel.build_parallel_dims(run.degrees, cpu, single_process_mesh=run.model["is_moe"])
+    return Placement(device, rank, world, parallel_dims, functools.partial(_every_slot_mine, world=world), trace=True)
+
+
+def _every_slot_mine(obj, *, world: int) -> list:
+    return [obj] * world
+
+
+class _HostWork(TorchDispatchMode):
+    """What a real run does on the host, done so under the plan's fake mode too (entered inside it).
+
+    An operator none of whose tensors is fake and that moves nothing to another device runs as it would in a run:
+    - the meta-device model build: fake *meta* parameters cannot be moved by ``to_empty`` when two modules share
+      one (tied embeddings), plain meta ones can (``to_empty`` under the fake mode then makes them fake CPU
+      tensors); a factory on the meta device (``torch.device("meta")``) stays plain meta;
+    - a device mesh that FSDP concatenates over tensor parallel (``DeviceMesh._concatenate``) reads its rank map
+      with ``nonzero`` and ``tolist``: host work on a host tensor;
+    - the data's token rows (``torch.from_numpy``): sliced on the host, as in a run.
+    Everything else (the model's parameters, activations, gradients, optimizer state) is fake.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _on_the_host(args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _on_the_host(args, kwargs) -> bool:
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(is_fake(t) for t in tensors):
+        return False
+    target = kwargs.get("device")
+    kinds = {t.device.type for t in tensors} | ({torch.device(target).type} if target is not None else set())
+    if not tensors:  # a factory: only on the meta device
+        return kinds == {"meta"}
+    return len(kinds) == 1
 
 
 @contextlib.contextmanager
-def _as_outside_fake_mode():
-    """What a real run does on the host, or in its own fake mode, done so under the plan's fake mode too.
+def _sharding_propagation_in_its_own_fake_mode():
+    """DTensor's sharding propagation runs each operator on global-shape fake tensors to learn the output's shape,
+    in ``detect_fake_mode() or FakeTensorMode()``: in a real run a fresh mode that MemTracker ignores, under the
+    plan the plan's own mode, whose global-shape temporaries MemTracker would count as this rank's memory (the
+    optimizer's foreach ops over every parameter: 8x the parameter bytes of the real peak at tp=2). It gets a
+    fresh mode here too: the plan's one patch (tests/test_stack.py ALLOWED_PLANNER_PATCH)."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    - The meta-device model build runs with the fake mode paused: fake *meta* parameters cannot be
-      moved by ``to_empty`` when two modules share one (tied embeddings), plain meta ones can
-      (``to_empty`` under the fake mode then makes them fake CPU tensors).
-    - A device mesh (built by ``parallel.build_parallel_dims``, or concatenated by FSDP over tensor
-      parallel) reads its rank map with ``tolist`` and ``nonzero``: host work, fake mode paused.
-    - DTensor's sharding propagation runs each operator on global-shape fake tensors to learn the
-      output's shape, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a fresh mode that
-      MemTracker ignores, under the plan the plan's own mode, whose global-shape temporaries MemTracker
-      would count as this rank's memory (the optimizer's foreach ops over every parameter: 8x the
-      parameter bytes of the real peak at tp=2). It gets a fresh mode here too.
-    - ``all_gather_object`` (the Trainer gathers every rank's device facts) pickles into tensors and
-      reads their sizes back, which fake tensors do not have; the fake group has no other rank
-      either: each slot gets this rank's object.
-    """
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    def in_a_fresh_mode(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
 
-    from qwen3_research import parallel, titan
-
-    def unfaked(fn):
-        def call(*args, **kwargs):
-            with unset_fake_temporarily():
-                return fn(*args, **kwargs)
-        return call
-
-    def gather_object_locally(object_list, obj, group=None):
-        object_list[:] = [obj] * len(object_list)
-
-    patches = [(titan, "build_model", unfaked(titan.build_model)),
-               (parallel, "build_parallel_dims", unfaked(parallel.build_parallel_dims)),
-               (DeviceMesh, "__init__", unfaked(DeviceMesh.__init__)),
-               (ShardingPropagator, "_propagate_tensor_meta_non_cached",
-                unfaked(ShardingPropagator._propagate_tensor_meta_non_cached)),
-               (dist, "all_gather_object", gather_object_locally)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
+    ShardingPropagator._propagate_tensor_meta_non_cached = in_a_fresh_mode
     try:
         yield
     finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 def trace_rank(run, rank: int, world: int) -> RankPlan:
-    """One training step of the real Trainer as ``rank`` of ``world``, on fake tensors; live tensor bytes.
-    ``run``: the traced variant of the resolved run (``resolve.ResolvedRun``; fake CPU tensors, nothing written)."""
-    import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from qwen3_research import titan
-    from qwen3_research.memory import tracked
-    from qwen3_research.trainer import RunInfo, Trainer
-
-    env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    trainer = None
+    """One training step of the run's own step (``step.build_step``, ``Step.__call__``) as ``rank`` of ``world``,
+    on fake tensors; live tensor bytes. ``run``: the resolved run (``resolve.ResolvedRun``), as it is: the trace
+    placement (``trace_placement``) says fake CPU tensors, nothing loaded, compiled or written."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if world > 1:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if world > 1:
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, _as_outside_fake_mode(), \
-                FakeTensorMode(allow_non_fake_inputs=True), contextlib.redirect_stdout(sys.stderr):
-            trainer = Trainer(run, RunInfo(run_dir=run_dir))
-            _optimizer_state_as_after_one_step(trainer)
-            with titan.balanced_expert_exchange():  # after the Trainer imported torchtitan for its device
-                _, cats, peak, most = tracked(lambda: _traced_step(trainer), trainer.backend.model, trainer.optimizer)
-            even = world > 1 and trainer.degrees.ep == 1 and evenly_sharded(trainer.backend.model)
-            kp = trainer.kernel_plan
+        where = trace_placement(run, rank, world)
+        with tempfile.TemporaryDirectory(prefix="qwen3_plan_") as run_dir, \
+                _sharding_propagation_in_its_own_fake_mode(), FakeTensorMode(allow_non_fake_inputs=True), _HostWork(), \
+                contextlib.redirect_stdout(sys.stderr):
+            step = build_step(run, where, run_dir=run_dir)
+            _optimizer_state_as_after_one_step(step)
+            with titan.balanced_expert_exchange():  # after the step's build imported torchtitan for its device
+                _, cats, peak, most = tracked(step, step.backend.model, step.optimizer)
+            even = world > 1 and step.degrees.ep == 1 and evenly_sharded(step.backend.model)
+            kp = step.kernel_plan
             lines = [ln.strip() for ln in getattr(kp, "text", "").splitlines()
                      if ln.startswith("    ") and not ln.strip().startswith("layers.")]
             kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
-            from qwen3_research.parallel import state_bytes
-
-            shards = state_bytes(trainer.backend.model)["params"]
+            shards = parallel.state_bytes(step.backend.model)["params"]
         return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved),
                         param_shards=int(shards), params_max=most["params"])
     finally:
-        if trainer is not None:
-            trainer.close()
-        elif dist.is_initialized():
+        if dist.is_initialized():  # also the one-rank group of a single MoE process
             dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def evenly_sharded(model) -> bool:
@@ -216,8 +219,6 @@ def evenly_sharded(model) -> bool:
     same operators: its live bytes are rank 0's at every point of the step. An uneven dimension gives
     the last rank smaller shards (torch's Shard: ceil-sized leading shards), so both are traced.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     for p in model.parameters():
         if not isinstance(p, DTensor):
             continue
@@ -230,8 +231,6 @@ def evenly_sharded(model) -> bool:
 # -- the closed form ---------------------------------------------------------------------------
 def estimate(rc, degrees, facts: dict) -> dict:
     """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
-    from qwen3_research import models
-
     f = models.architecture(rc.model)
     if f is None:  # a backend without a closed form (model=hf)
         return {}
@@ -283,8 +282,6 @@ def capacity(rc, nproc_per_node: int = 1) -> tuple[float, str]:
     limit) divided among the ``nproc_per_node`` ranks on it."""
     if rc.device.memory_gib is not None:
         return float(rc.device.memory_gib), "device.memory_gib"
-    from qwen3_research import device as devices
-
     dtype = devices.resolve_device_type(rc.device.type)
     if dtype == "cpu":
         total, source = devices.host_memory()
@@ -293,37 +290,21 @@ def capacity(rc, nproc_per_node: int = 1) -> tuple[float, str]:
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
-def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
+def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     """Resolve like a run (``resolve.resolve_run``, planned for the run's device: a Trainium run checked as
-    a run would be, except that TorchNeuron is not required), then trace rank 0 and the largest rank (only
-    rank 0 when every shard is even, unless ``trace_all``)."""
-    from qwen3_research import models
-    from qwen3_research.kernels.registry import planning_for
-    from qwen3_research.resolve import resolve_run
-
-    run = resolve_run(resolved, plan=True)
+    a run would be, except that TorchNeuron is not required; ``resolved`` may be that resolution already), then
+    trace rank 0 and the largest rank (only rank 0 when every shard is even, unless ``trace_all``)."""
+    run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
     planned = run.config["device"]["type"]
     gpu_peak = None
     if run.planned_elsewhere and planned == "cuda":  # a GPU this host does not have: its table entry or the keys
-        from qwen3_research.device import planned_gpu
-
-        cap, gpu_peak, name = planned_gpu(rc.device)
+        cap, gpu_peak, name = devices.planned_gpu(rc.device)
         source = f"device.gpu={name}" if rc.device.memory_gib is None else "device.memory_gib"
     else:
         cap, source = capacity(rc, run.nproc_per_node)
         if run.device_type == "cuda":
             gpu_peak = _gpu_peak_here()
-    config = run.config
-    traced = dict(config)
-    traced["device"] = {**config["device"], "type": "cpu"}  # fake tensors on the CPU dispatch path
-    traced["logging"] = {**config["logging"], "wandb": {**config["logging"]["wandb"], "mode": "disabled"},
-                         "print_config": False, "progress_bar": False}
-    traced["checkpoint"] = {**config["checkpoint"], "enable": False, "resume": None, "export_hf": False}
-    traced["compile"] = {**config["compile"], "enable": False}
-    traced["training"] = {**config["training"], "track_memory": False, "fault": None}  # test hooks act in runs only
-    traced["model"] = {**config["model"], "init_from": None}
-    traced_run = run.with_config(traced)
     t0 = time.perf_counter()
     world = degrees.world_size
     ranks = []
@@ -335,9 +316,9 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
             continue
         if planned == "neuron":  # kernels checked for, and NKI ones traced by shape as, the planned device
             with planning_for("neuron", run.lnc):
-                rp = trace_rank(traced_run, rank, world)
+                rp = trace_rank(run, rank, world)
         else:
-            rp = trace_rank(traced_run, rank, world)
+            rp = trace_rank(run, rank, world)
         if rp.kernel_saved:
             est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
         rp.estimate = est
@@ -351,18 +332,12 @@ def make_plan(resolved: dict, trace_all: bool = False) -> Plan:
 
 
 def _gpu_peak_here() -> float | None:
-    import torch
-
-    from qwen3_research import titan
-
     return titan.gpu_peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:
     """What compile does to the plan (the trace is the eager step; a compiled run's peak was measured lower) and,
     on a GPU, a predicted step time at the MFU measured on an H200 (compiling.MEASURED_MFU)."""
-    from qwen3_research import compiling
-
     d = run.compile
     on = bool(d and d.enable)
     compiled = plan.peak_gib * compiling.COMPILED_PEAK_FACTOR

@@ -29,7 +29,7 @@ launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive 
 dir once (``rundir.check_run_dir``, ``checkpoint.preflight`` inside it) and records what a resume or ``init_from``
 loads. The auto settings are filled in one place (``auto_settings``, from ``DEVICE_DEFAULTS``: what each device kind
 decides); ``config.to_run_config`` and ``config.validate`` are pure. ``training.mixed_precision`` becomes a
-``PrecisionPlan`` here (``precision_plan``; docs/PRECISION_WALK.md), which the Trainer applies and checks.
+``PrecisionPlan`` here (``precision_plan``; ARCHITECTURE.md, "The precision walk"), which the Trainer applies and checks.
 
 Nothing mutates the composed config afterwards. The resolved values live in the description: ``config`` (the
 plain dict the workers get and summary.json and W&B record) and ``rc`` (the same, typed) carry

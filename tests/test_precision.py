@@ -64,10 +64,10 @@ def test_bf16_single_process_vs_fsdp_bf16_parameters_and_the_plan(tmp_path):
 
 # (module, qualified name) per hop; the last FSDP hop is torchtitan's own (whichever API is installed).
 WALK_FSDP = [("qwen3_research.resolve", "auto_settings"), ("qwen3_research.resolve", "precision_plan"),
-             ("qwen3_research.trainer", "Trainer.__init__"), ("qwen3_research.parallel", "torchtitan_training_configs"),
+             ("qwen3_research.step", "build_step"), ("qwen3_research.parallel", "torchtitan_training_configs"),
              ("qwen3_research.titan", "training_configs"), ("torchtitan", "apply_fsdp_to_decoder | apply_fsdp")]
 WALK_AUTOCAST = [("qwen3_research.resolve", "auto_settings"), ("qwen3_research.resolve", "precision_plan"),
-                 ("qwen3_research.trainer", "Trainer.__init__"), ("qwen3_research.device", "Device.autocast")]
+                 ("qwen3_research.step", "build_step"), ("qwen3_research.devices.runtime", "Device.autocast")]
 TORCHTITAN_FSDP = {"apply_fsdp_to_decoder": "torchtitan.distributed.fsdp",
                    "apply_fsdp": "torchtitan.models.qwen3.infra.parallelize"}
 
@@ -89,7 +89,7 @@ def _function(module: str, qualname: str):
 
 
 def test_the_precision_walk_is_at_most_six_hops():
-    """Each function of docs/PRECISION_WALK.md exists and is named there; each walk is <= 6 hops; and the setting
+    """Each function of ARCHITECTURE.md's precision walk exists and is named there; each walk is <= 6 hops; and the setting
     reaches both effects through the plan: torchtitan's parameter dtype is the plan's, autocast only without
     FSDP2 units."""
     from pathlib import Path
@@ -99,7 +99,9 @@ def test_the_precision_walk_is_at_most_six_hops():
     from qwen3_research.parallel import torchtitan_training_configs, validate_degrees
     from qwen3_research.resolve import PrecisionPlan, auto_settings, precision_plan
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "PRECISION_WALK.md").read_text()
+    doc = (Path(__file__).resolve().parent.parent / "ARCHITECTURE.md").read_text()
+    doc = doc[doc.index("## The precision walk"):]
+    doc = doc[:doc.find("\n## ", 3) if "\n## " in doc[3:] else len(doc)]
     for walk in (WALK_FSDP, WALK_AUTOCAST):
         assert len(walk) <= 6
         for module, qualname in walk:

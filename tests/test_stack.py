@@ -83,7 +83,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor",
                       "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare"]),
     ("launch", ["qwen3_research.launch", "qwen3_research.launch.*"]),
-    ("recipe", ["qwen3_research.trainer", "qwen3_research.planner", "qwen3_research.fit"]),
+    ("recipe", ["qwen3_research.trainer", "qwen3_research.step", "qwen3_research.planner", "qwen3_research.fit"]),
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
     ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
                     "qwen3_research.kernels.*",

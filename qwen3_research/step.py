@@ -1,0 +1,363 @@
+"""One training step assembled from its parts: ``build_step(run, where) -> Step``.
+
+The parts are the model backend (built, kernel overrides installed, sharded, compiled), the optimizer and its
+schedule, the data, the loss and the precision; ``Step.__call__`` states the step's one order: per micro-batch
+forward, loss and backward, then gradient clipping, the optimizer update and the schedule. ``where`` (a
+``Placement``) says where it is built: the device, this process's rank in its world, the device mesh and how to
+gather one object from every rank. A run takes the real one (``place(run)``: the process group torchrun started);
+the memory planner (``qwen3_research.planner``) injects a trace placement (fake CPU tensors, a fake process group)
+and builds the very same parts, with nothing in the run's config rewritten.
+
+The Trainer (``qwen3_research.trainer``) is the loop over a ``Step``: checkpointer, sinks, profiler, signals.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qwen3_research import compiling, models, parallel, startup, titan
+from qwen3_research import device as devices
+from qwen3_research.data import PackedDataset, Tokenizer, data_layout, tokenizer_path
+from qwen3_research.errors import ConfigError, TrainingError
+from qwen3_research.kernels import apply_overrides
+from qwen3_research.loss import lm_loss
+from qwen3_research.memory import gather_objects
+from qwen3_research.optim import build_optimizer
+from qwen3_research.parallel import Degrees
+from qwen3_research.resolve import ResolvedRun
+from qwen3_research.routing import RoutingMonitor
+from qwen3_research.run.train_state import TrainState
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun (or our worker group) set them; (0, 0, 1) alone."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a step is built and runs.
+
+    ``device``: the ``device.Device`` its tensors live on; ``rank`` of ``world_size``; ``parallel_dims``:
+    torchtitan's ParallelDims with its mesh built (None: one process without a mesh); ``gather(obj)``: every
+    rank's ``obj`` in rank order; ``trace``: the planner's fake-tensor trace, where nothing is loaded, compiled
+    or injected (no weights from ``model.init_from``, no ``compile``, no ``training.fault``) and no tensor value
+    is read on the host.
+    """
+
+    device: devices.Device
+    rank: int
+    world_size: int
+    parallel_dims: object
+    gather: Callable[[object], list] = field(repr=False)
+    trace: bool = False
+
+
+def place(run: ResolvedRun) -> Placement:
+    """This process's placement for ``run``: its device (torchtitan prepared for it before its first import), the
+    process group (started here in a worker group), torchtitan's mesh, ``all_gather_object`` as the gather."""
+    cfg = run.rc
+    rank, local_rank, world_size = dist_env()
+    device_type = devices.resolve_device_type(cfg.device.type)
+    devices.prepare_torchtitan(device_type)
+    device = devices.Device(device_type, local_rank, cfg.device.lnc, gpu_peak_table=titan.gpu_peak_flops)
+    device.reset_peak_memory()  # this run's peak, not an earlier run's in this process
+    if world_size > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=device.dist_backend)
+    # The degrees were checked at resolution (each torchrun rank resolves against the world it started in)
+    if world_size != run.world_size:
+        raise ConfigError(f"the run was resolved for {run.world_size} processes ({run.degrees.describe()}) but "
+                          f"{world_size} started; resolve it where it starts (resolve.resolve_run)")
+    parallel_dims = parallel.build_parallel_dims(run.degrees, device_type, single_process_mesh=run.model["is_moe"])
+    return Placement(device, rank, world_size, parallel_dims, functools.partial(gather_objects, world_size=world_size))
+
+
+def compute_dtype(run: ResolvedRun) -> torch.dtype:
+    """The dtype the step computes in (the device's peak FLOPs are this dtype's): the run's precision plan's."""
+    return getattr(torch, run.precision.compute_dtype)
+
+
+@dataclass(eq=False)
+class Step:
+    """The parts of one training step (built by ``build_step``) and its one order (``__call__``)."""
+
+    run: ResolvedRun
+    where: Placement
+    tokenizer: Tokenizer
+    data: PackedDataset
+    data_layout: dict
+    dp_rank: int
+    dp_size: int
+    eval_every: int  # training.eval_every, 0 when the data holds no held-out documents
+    backend: object  # models.base.ModelBackend
+    kernel_plan: object  # kernels.apply_overrides' plan ({} without kernel entries)
+    loss_scale: float  # backward sees loss x this; gradients are then summed over dp ranks
+    routing: RoutingMonitor | None  # MoE: routing statistics and the auxiliary loss (None: dense, or nothing asked)
+    precision: dict  # run.precision.summary(): how training.mixed_precision is carried out
+    autocast: str  # "bf16" | "none"
+    compiled: str  # what compile.enable compiled ("none": eager)
+    cross_entropy: Callable | None  # the compiled full loss, None: eager
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    state: TrainState  # what a checkpoint holds
+    fault: str | None  # training.fault (test hooks), None in a trace
+    state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
+
+    @property
+    def cfg(self):
+        return self.run.rc
+
+    @property
+    def degrees(self) -> Degrees:
+        return self.run.degrees
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.where.device.torch_device
+
+    # -- the step --------------------------------------------------------------------------------
+    def __call__(self) -> tuple[float, float] | None:
+        """Optimizer step ``state.step + 1``; afterwards ``state.step`` counts it. Per micro-batch: forward, the
+        loss, backward; then clip the gradients, apply the update (unless training.nan_policy skips it), advance
+        the schedule. Returns (loss averaged over the data-parallel ranks, gradient norm); in a trace (fake
+        tensors: no value to read, reduce or check) None, the update applied."""
+        total = None if self.where.trace else torch.zeros((), device=self.torch_device)
+        for batch in self.micro_batches(self.state.step):
+            if total is None:
+                self.forward_backward(batch)
+            else:
+                total += self.forward_backward(batch)
+        grad_norm = self.clip_gradients()
+        if total is None:
+            del grad_norm  # a 0-dim tensor a trace has never held through the update (the plan's bytes unchanged)
+            self.optimizer_step()
+            self.state.step += 1
+            return None
+        loss_value, grad_value = float(self.all_reduce_mean(total)), float(grad_norm)
+        if not self.skips_update(loss_value, grad_value):
+            self.optimizer_step()
+        self.state.step += 1
+        return loss_value, grad_value
+
+    def micro_batches(self, step: int):
+        """This data-parallel rank's training.grad_accum micro-batches of optimizer step ``step`` (0-based)."""
+        t = self.cfg.training
+        for micro in range(t.grad_accum):
+            yield self.data.train_batch(step, micro, t.grad_accum, self.dp_rank, self.dp_size, t.seed)
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The language-model loss; ``positions``: per-document positions (data.document_masking), else None."""
+        device = self.where.device
+        if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
+            with device.autocast(self.autocast):
+                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens, positions)
+        with device.autocast(self.autocast):
+            logits = self.backend.forward(inputs) if positions is None else self.backend.forward(inputs, positions=positions)
+        if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
+            logits = logits.full_tensor()
+        if self.cross_entropy is not None:  # compiled (compile.enable): the float32 upcast fused into the loss
+            return self.cross_entropy(logits, labels)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def forward_backward(self, batch) -> torch.Tensor:
+        """One micro-batch of the step being trained: forward, the configured loss ÷ training.grad_accum, backward.
+        Returns that loss, detached (not reduced over ranks)."""
+        t = self.cfg.training
+        inputs = batch.inputs.to(self.torch_device)
+        labels = batch.labels.to(self.torch_device)
+        positions = None if batch.positions is None else batch.positions.to(self.torch_device)
+        loss = self.loss(inputs, labels, positions) / t.grad_accum
+        loss = _inject_fault(self.fault, self.state.step + 1, self.where.rank, loss)
+        # balance=aux_loss: coef × the routers' auxiliary loss joins the gradient, not the reported LM loss
+        aux = self.routing.aux_term() if self.routing is not None else None
+        ((loss if aux is None else loss + aux / t.grad_accum) * self.loss_scale).backward()
+        return loss.detach()
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the gradients to optimizer.grad_clip (0: no clipping); their total norm before clipping."""
+        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
+        params = [p for p in self.backend.model.parameters() if p.grad is not None]
+        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def optimizer_step(self) -> None:
+        """Apply the update, free the gradients, advance the learning-rate schedule."""
+        self.optimizer.step()
+        if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
+            self.state_bytes = parallel.state_bytes(self.backend.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def skips_update(self, loss: float, grad_norm: float) -> bool:
+        """training.nan_policy for a non-finite loss or gradient norm: stop (TrainingError), or skip this step's
+        update (True; the gradients are dropped and the step is recorded in ``state.skipped_steps``)."""
+        if torch.isfinite(torch.tensor([loss, grad_norm])).all():
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        step = self.state.step + 1
+        if self.cfg.training.nan_policy == "stop":
+            raise TrainingError(
+                f"step {step}: non-finite loss={loss} or grad_norm={grad_norm}; stopped "
+                "(training.nan_policy=stop). Lower optimizer.lr or set training.nan_policy=skip"
+            )
+        self.state.skipped_steps.append(step)
+        return True
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            group = self.where.parallel_dims.get_mesh("batch").get_group()
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM, group=group)
+            value = value / self.dp_size
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss over training.eval_batches held-out batches, averaged over the data-parallel ranks."""
+        t = self.cfg.training
+        batches = self.data.val_batches(t.eval_batches, self.dp_rank, self.dp_size)
+        if not batches:
+            return float("nan")
+        model = self.backend.model
+        model.eval()
+        total = torch.zeros((), device=self.torch_device)
+        try:
+            for b in batches:
+                positions = None if b.positions is None else b.positions.to(self.torch_device)
+                total += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions)
+        finally:
+            model.train()
+            parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
+        return float(self.all_reduce_mean(total / len(batches)))
+
+
+def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> Step:
+    """The step of ``run`` placed at ``where``: data, model (built seeded, kernel overrides, sharded, compiled),
+    loss, precision, optimizer and schedule, and the ``TrainState`` a checkpoint holds. ``run_dir``: where
+    torchtitan's config objects point (a trace passes a temporary directory). Nothing here writes into the run's
+    config."""
+    startup.note_trainer_built()
+    cfg, degrees = run.rc, run.degrees
+    is_main = where.rank == 0
+    dp_rank, dp_size = dp_coordinates(degrees, where.parallel_dims)
+
+    # Data.
+    tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
+    data = PackedDataset(cfg.data, tokenizer)
+    eval_every = check_data_fits(cfg, data, dp_size, is_main=is_main)
+    layout = data_layout(cfg, dp_size, cfg.data.batch_size, tokenizer.sha256, data)
+
+    # Model: build (seeded), kernel overrides, shard, compile.
+    tt = parallel.torchtitan_training_configs(
+        degrees,
+        activation_checkpoint=cfg.parallelism.activation_checkpoint,
+        compile_cfg=cfg.compile,
+        mixed_precision=run.precision.setting,
+        run_dir=str(run_dir),
+    )
+    backend = models.build(
+        cfg.model, where.device.torch_device, seq_len=cfg.data.seq_len, seed=cfg.training.seed,
+        tt_parallelism=tt.parallelism, tokenizer=tokenizer, load_init_from=not where.trace,
+    )
+    kernel_plan = apply_overrides(backend.model, cfg, where.device) if cfg.kernels.entries else {}
+    loss_scale = 1.0
+    if degrees.sharded:
+        backend.parallelize(where.parallel_dims, tt)
+        devices.after_sharding(where.device, backend.model)
+        loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
+    else:
+        backend.finalize_single(tt)
+    routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
+    # The precision plan decided at resolution (run.precision); the built model must carry it out
+    run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))
+    precision, autocast = run.precision.summary(), "bf16" if run.precision.autocast else "none"
+    # compile.enable as resolved (run.compile: its reason, the shared cache): each block and the loss, in place
+    compiled, cross_entropy = "none", None
+    if cfg.compile.enable and not where.trace:
+        compiling.export_cache_env(run.compile)  # the launcher set it already; a torchrun rank sets it here
+        compiled = compiling.apply(backend.model, run.compile, fullgraph=cfg.compile.fullgraph, is_moe=run.model["is_moe"])
+        if cfg.training.loss == "full":  # the chunked loss is its own autograd function: left eager
+            cross_entropy = compiling.compiled_cross_entropy(run.compile)
+            compiled += " + loss"
+
+    optimizer, scheduler = build_optimizer(backend.model, cfg.optimizer, cfg.training.steps)
+    backend.register_optimizer_hooks(optimizer, where.parallel_dims)
+    state = TrainState(backend.model, optimizer, scheduler, rank=where.rank)
+    return Step(run, where, tokenizer, data, layout, dp_rank, dp_size, eval_every, backend, kernel_plan, loss_scale,
+                routing, precision, autocast, compiled, cross_entropy, optimizer, scheduler, state,
+                fault=None if where.trace else cfg.training.fault)
+
+
+def dp_coordinates(degrees: Degrees, parallel_dims) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size)."""
+    if not degrees.sharded or degrees.dp == 1:
+        return 0, 1
+    mesh = parallel_dims.get_mesh("batch")
+    return mesh.get_local_rank(), mesh.size()
+
+
+def check_data_fits(cfg, data: PackedDataset, dp_size: int, *, is_main: bool) -> int:
+    """A global batch larger than the data is refused; no held-out documents turns evaluation off. Returns the
+    evaluation interval (training.eval_every, or 0)."""
+    t, d = cfg.training, cfg.data
+    per_step = d.batch_size * dp_size * t.grad_accum
+    if per_step > len(data.train):
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} × dp {dp_size} × training.grad_accum={t.grad_accum} = {per_step} "
+            f"sequences per step, but the data holds only {len(data.train)} training sequences of "
+            f"data.seq_len+1={d.seq_len + 1} tokens; lower data.batch_size (or data.seq_len), or add data"
+        )
+    if cfg.optimizer.warmup_steps > t.steps and is_main:
+        print(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > training.steps={t.steps}: the "
+              "learning rate never reaches optimizer.lr in this run", file=sys.stderr, flush=True)
+    if t.eval_every and len(data.val) == 0:
+        if is_main:
+            print(f"warning: no held-out documents (data.val_fraction={d.val_fraction}, {data.num_documents} "
+                  "documents); evaluation is off for this run (training.eval_every ignored)", file=sys.stderr, flush=True)
+        return 0
+    return t.eval_every
+
+
+# -- test hooks (training.fault) --------------------------------------------------------------------------------
+def _fault_now(spec: str | None, kinds: tuple[str, ...], step: int, rank: int) -> str | None:
+    """Test hook (training.fault = 'WHAT@N' or 'WHAT@N:rankR'): WHAT when it is due at this step on this rank."""
+    if not spec:
+        return None
+    what, _, rest = spec.partition("@")
+    at, _, who = rest.partition(":")
+    if what not in kinds or int(at) != step or (who and who != f"rank{rank}"):
+        return None
+    return what
+
+
+def signal_launcher_at_eval(spec: str | None, step: int, rank: int, world_size: int) -> None:
+    """Test hook 'term@N': as step N's evaluation starts, SIGTERM the launcher (Slurm preemption, scancel):
+    the parent process in a worker group (the elastic agent, which passes it on to every rank), this process
+    in a one-process run."""
+    if _fault_now(spec, ("term",), step, rank):
+        os.kill(os.getppid() if world_size > 1 else os.getpid(), signal.SIGTERM)
+
+
+def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N', 'oom@N' in step N's forward; 'term@N' at its
+    evaluation."""
+    what = _fault_now(spec, ("raise", "nan", "kill", "oom"), step, rank)
+    if what is None:
+        return loss
+    if what == "raise":
+        raise RuntimeError(f"injected failure at step {step} on rank {rank} (training.fault={spec})")
+    if what == "nan":
+        return loss * float("nan")
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "oom":  # a real allocator failure on any device: an allocation no device can hold (2**60 bytes)
+        torch.empty(2**60, dtype=torch.uint8, device=loss.device)
+    return loss
