@@ -24,7 +24,7 @@ from qwen3_research import allocator  # noqa: E402  (standard library only)
 # Trainer run in this same process, so both have it (QWEN3_CPU_ALLOCATOR=system measures glibc as it comes).
 allocator.ensure_script()
 
-from qwen3_research import device as devices  # noqa: E402  (light: torch + config only)
+from qwen3_research import devices  # noqa: E402  (light: torch + config only)
 
 devices.prepare_torchtitan(devices.resolve_device_type("auto"))
 

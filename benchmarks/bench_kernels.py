@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from qwen3_research import device as devices  # noqa: E402
+from qwen3_research import devices  # noqa: E402
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

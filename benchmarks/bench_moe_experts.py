@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from qwen3_research import device as devices  # noqa: E402
+from qwen3_research import devices  # noqa: E402
 
 devices.prepare_torchtitan("cpu")
 

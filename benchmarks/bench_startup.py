@@ -40,7 +40,7 @@ sys.path.insert(0, os.environ["BENCH_HERE"])
 import qwen3_research.__main__  # the entry module (Hydra, config schemas)
 from qwen3_research.launch.elastic import worker  # launcher + trainer module
 import torch
-from qwen3_research import device as devices
+from qwen3_research import devices
 devices.prepare_torchtitan("cpu")
 import torchtitan.models.qwen3  # what the Trainer imports while building
 t_imports = time.perf_counter()

@@ -21,7 +21,7 @@ import torch
 
 from qwen3_research import token_stream
 from qwen3_research.config import ConfigError, DataConfig, data_files
-from qwen3_research.device import _cache_dir
+from qwen3_research.devices import cache_dir as _cache_dir
 from qwen3_research.errors import write_failure
 
 IGNORE_INDEX = -100  # labels F.cross_entropy and qwen3_research.loss skip

@@ -37,9 +37,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research import models
 from qwen3_research.planner import GIB, capacity, estimate, make_plan
 from qwen3_research.resolve import ResolvedRun, resolve_run
@@ -175,20 +174,11 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
 
 
 def _peak(device_type: str, bf16: bool) -> float:
-    """The device's dense peak FLOP/s per rank in bf16 (``bf16``) or fp32: the one place fit reads a device's peak
-    (a device's reference peak table replaces its body). Neuron: an LNC=2 rank of Trainium2; cuda: H100/H200 SXM
-    datasheet, 989 bf16 / 67 fp32 (device.GPU_FP32_BY_BF16_PEAK); a CPU: its own matmul rates, measured once and
-    cached (device.cached_cpu_peak) -- without bf16 units (AVX2-only) bf16 is emulated and ~100x slower, with
-    AVX512-BF16 or AMX it is the faster one (GUIDE §7)."""
-    if device_type == "neuron":
-        fp32, ratio = devices.TRN2_CORE_PEAK["fp32"] * 2, devices.TRN2_CORE_PEAK["bf16"] / devices.TRN2_CORE_PEAK["fp32"]
-    elif device_type == "cuda":
-        fp32 = devices.GPU_FP32_BY_BF16_PEAK[989e12]
-        ratio = 989e12 / fp32
-    else:
-        fp32 = devices.cached_cpu_peak(torch.float32)  # this CPU's measured fp32 matmul rate (all of its threads)
-        ratio = devices.cached_cpu_peak(torch.bfloat16) / fp32 if bf16 else 1.0
-    return fp32 * ratio if bf16 else fp32
+    """The device's dense peak FLOP/s per rank in bf16 (``bf16``) or fp32: its spec's reference peak
+    (``devices.reference_peak``: an LNC=2 rank of Trainium2; an H100/H200 SXM, 989 bf16 / 67 fp32; a CPU its own
+    matmul rates, measured once and cached -- without bf16 units (AVX2-only) bf16 is emulated and ~100x slower,
+    with AVX512-BF16 or AMX it is the faster one, GUIDE §7)."""
+    return devices.reference_peak(device_type, "bf16" if bf16 else "fp32")
 
 
 def cost(c: Candidate, run) -> None:
@@ -207,8 +197,7 @@ def cost(c: Candidate, run) -> None:
         block_share = blocks / (blocks + v * d)
         recompute = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}[c.ac] * block_share
     flops = per_token * global_tokens * (1 + recompute) / world
-    device_type = run.device_type if not run.planned_elsewhere else "neuron"
-    peak = _peak(device_type, c.bf16)
+    peak = _peak(run.device_type, c.bf16)  # the resolved kind: the planned one when this host lacks it
     c.compute_s = flops / peak
     if f is None:
         return
@@ -244,7 +233,7 @@ def search(config: dict | ResolvedRun, *, frozen: set[str] = frozenset(), k: int
     echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     run = config if isinstance(config, ResolvedRun) else resolve_run(config, plan=True)
-    cap = capacity(run.rc, run.nproc_per_node)[0]
+    cap = capacity(run.rc, run.device_type, run.nproc_per_node)[0]
     cands = candidates(run, frozen)
     for c in cands:
         cost(c, run)

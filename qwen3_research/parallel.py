@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from qwen3_research import slurm, titan
 from qwen3_research.config import ConfigError, ParallelismConfig
+from qwen3_research.devices import host_nproc_per_node
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,6 @@ def validate_degrees(
     ``world_size``: what the launcher actually started (torchrun / a worker), if known.
     """
     if p.nproc_per_node == -1:  # auto; the launch paths resolve it for the run's device first (device.prepare_launch)
-        import dataclasses
-
-        from qwen3_research.device import host_nproc_per_node
-
         p = dataclasses.replace(p, nproc_per_node=host_nproc_per_node(world_size, p.nnodes))
     asked = p.nproc_per_node * p.nnodes
     if world_size is not None and world_size != asked:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen3_research import compiling, models, parallel, titan
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
 from qwen3_research.resolve import ResolvedRun, resolve_run
@@ -277,16 +277,17 @@ def estimate(rc, degrees, facts: dict) -> dict:
 
 
 # -- the whole plan ----------------------------------------------------------------------------
-def capacity(rc, nproc_per_node: int = 1) -> tuple[float, str]:
-    """GiB one rank may use, and where the figure came from. CPU ranks share the host: its RAM (or the cgroup's
-    limit) divided among the ``nproc_per_node`` ranks on it."""
+def capacity(rc, kind: str, nproc_per_node: int = 1) -> tuple[float, str]:
+    """GiB one rank of device ``kind`` (the resolved kind) may use, and where the figure came from. Ranks of a kind
+    that runs on the host (CPU) share it: its RAM (or the cgroup's limit) divided among the ``nproc_per_node`` ranks
+    on it."""
     if rc.device.memory_gib is not None:
         return float(rc.device.memory_gib), "device.memory_gib"
-    dtype = devices.resolve_device_type(rc.device.type)
-    if dtype == "cpu":
+    dtype = devices.resolve_device_type(kind)
+    if devices.get(dtype).runs_on_host:
         total, source = devices.host_memory()
         n = max(1, nproc_per_node)
-        return total / n / 1024**3, f"detected (cpu): {total / 1024**3:.1f} GiB {source}" + (f" / {n} ranks" if n > 1 else "")
+        return total / n / 1024**3, f"detected ({dtype}): {total / 1024**3:.1f} GiB {source}" + (f" / {n} ranks" if n > 1 else "")
     return devices.Device(dtype, 0, rc.device.lnc).memory().capacity_gib, f"detected ({dtype})"
 
 
@@ -297,13 +298,14 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
     planned = run.config["device"]["type"]
+    spec = devices.get(run.device_type)  # the resolved kind: the planned one when this host lacks it
     gpu_peak = None
-    if run.planned_elsewhere and planned == "cuda":  # a GPU this host does not have: its table entry or the keys
+    if run.planned_elsewhere and spec.planning_table is not None:  # a GPU this host lacks: its table entry or the keys
         cap, gpu_peak, name = devices.planned_gpu(rc.device)
         source = f"device.gpu={name}" if rc.device.memory_gib is None else "device.memory_gib"
     else:
-        cap, source = capacity(rc, run.nproc_per_node)
-        if run.device_type == "cuda":
+        cap, source = capacity(rc, run.device_type, run.nproc_per_node)
+        if spec.planning_table is not None:  # a GPU here: its own entry of torchtitan's peak table
             gpu_peak = _gpu_peak_here()
     t0 = time.perf_counter()
     world = degrees.world_size
@@ -314,8 +316,8 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
         if rank and ranks[0].even_shards and not trace_all:
             mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
             continue
-        if planned == "neuron":  # kernels checked for, and NKI ones traced by shape as, the planned device
-            with planning_for("neuron", run.lnc):
+        if spec.kernels_by_shape:  # kernels checked for, and NKI ones traced by shape as, the planned device
+            with planning_for(run.device_type, run.lnc):
                 rp = trace_rank(run, rank, world)
         else:
             rp = trace_rank(run, rank, world)
@@ -387,7 +389,7 @@ def render(plan: Plan) -> str:
     if plan.kernel_lines:
         lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
         lines += [f"  {ln}" for ln in plan.kernel_lines]
-    if plan.planned_for == "neuron":
+    if plan.planned_for and devices.get(plan.planned_for).kernels_by_shape:
         lines.append(f"planned for device={plan.planned_for}, which this host does not have: traced on fake CPU tensors, "
                      "NKI kernels by their documented output shapes; nothing ran on a Neuron device")
     elif plan.planned_for:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_research import compiling, models, parallel, startup, titan
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research.data import PackedDataset, Tokenizer, data_layout, tokenizer_path
 from qwen3_research.errors import ConfigError, TrainingError
 from qwen3_research.kernels import apply_overrides
@@ -67,7 +67,7 @@ def place(run: ResolvedRun) -> Placement:
     process group (started here in a worker group), torchtitan's mesh, ``all_gather_object`` as the gather."""
     cfg = run.rc
     rank, local_rank, world_size = dist_env()
-    device_type = devices.resolve_device_type(cfg.device.type)
+    device_type = devices.resolve_device_type(run.device_kind)  # the resolved kind, torch-checked where it runs
     devices.prepare_torchtitan(device_type)
     device = devices.Device(device_type, local_rank, cfg.device.lnc, gpu_peak_table=titan.gpu_peak_flops)
     device.reset_peak_memory()  # this run's peak, not an earlier run's in this process

@@ -217,7 +217,7 @@ class Trainer:
                     + (f"memory snapshot: {snapshot[0]}" if snapshot else
                        "profiling.memory_snapshot=true writes a memory snapshot when it happens")) from e
             raise
-        if self.device.type == "neuron" and cfg.profiling.steps:  # what the Neuron runtime has written by now
+        if not self.device.spec.torch_profiler and cfg.profiling.steps:  # what the device runtime's profiler wrote
             self._log_profiles(barrier=True)
         self.checkpointer.finish()
         if cfg.checkpoint.export_hf:

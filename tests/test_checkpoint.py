@@ -32,7 +32,7 @@ def native_logits_from_checkpoint(step_dir: Path, inputs: torch.Tensor) -> torch
     """Test-side reference: plain DCP load of the saved parameters into a fresh tiny model."""
     import torch.distributed.checkpoint as dcp
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
@@ -163,7 +163,7 @@ def test_resume_with_another_model_shape_is_config_error(straight, tmp_path):
 
 def test_shape_check_reads_the_saved_tensors(straight):
     """Layout-independent check on the DCP metadata itself, as the Trainer runs it before loading."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.run.checkpoint import check_model_matches
     from qwen3_research.run.train_state import model_tensors
     from qwen3_research.config import ConfigError, ModelConfig
@@ -245,7 +245,7 @@ def test_resume_across_moe_balance_modes_that_change_the_tensors_is_one_config_e
     naming the buffer (not a strict-load failure inside DCP)."""
     import torch.distributed.checkpoint as dcp
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ConfigError, ModelConfig, MoEConfig
     from qwen3_research.run.checkpoint import check_model_matches
     from qwen3_research.run.train_state import model_tensors

@@ -167,7 +167,7 @@ def test_an_export_whose_logits_differ_names_the_tensors_it_could_not_write(tmp_
     """Issue 33 (4): the error blamed `worst tensor model.embed_tokens.weight (max |diff| 0)`, the first of equal
     tensors. A MoE model with a (non-zero) expert bias exported directly: the error says every written tensor equals
     the trained one and names the expert-bias buffers that have no HF counterpart."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig, MoEConfig
     from qwen3_research.errors import ExportError
 
@@ -248,7 +248,7 @@ def test_the_export_reference_of_a_moe_is_computed_with_float32_experts():
     routing turned that rounding into 0.056 on a few tokens (> the 0.05 bf16 tolerance) and failed the export of a
     correct model. The reference logits are now the trained weights computed in float32: equal to a float32
     per-expert computation, unlike the bf16 forward, and verified at the float32 tolerance."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig, MoEConfig
 
     devices.prepare_torchtitan("cpu")

@@ -100,7 +100,7 @@ def test_init_from_logits_match_transformers(hf_dense):
     """The converted weights, not only the loss: full logits vs transformers within 1e-4 (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
@@ -222,7 +222,7 @@ def test_hf_flops_per_token_equals_torchtitans(moe):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
 
     devices.prepare_torchtitan("cpu")
     from qwen3_research.models.native.hf_config import hf_config_fields

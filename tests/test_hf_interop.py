@@ -36,7 +36,7 @@ MOE_BF16_TOL = 5e-3
 
 def native_from(hf_dir: Path, moe: bool, seq_len: int = 32, *, experts_fp32: bool = False, flavor: str = "auto"):
     """model=native(_moe) model.init_from=hf_dir, built as the Trainer does (meta, materialize, load)."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")

@@ -20,7 +20,7 @@ import torch
 from qwen3_research.config import ConfigError, KernelEntry, RunConfig
 from tests.conftest import FAST, ROOT, assert_ok, cli_env, run_cli, train_losses
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 
 devices.prepare_torchtitan("cpu")
 

@@ -15,7 +15,7 @@ import torch
 
 from qwen3_research.config import KernelEntry, RunConfig
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 
 devices.prepare_torchtitan("cpu")
 

@@ -32,7 +32,7 @@ import yaml
 
 from tests.conftest import FAST, ROOT, assert_ok, run_cli, train_losses
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 
 devices.prepare_torchtitan("cpu")
 

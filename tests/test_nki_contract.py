@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 
 devices.prepare_torchtitan("cpu")
 

@@ -21,7 +21,7 @@ from tests.test_hf import write_hf_checkpoint
 
 
 def _native_moe(flavor_overrides: dict | None = None, balance: str = "auto"):
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig, MoEConfig
 
     devices.prepare_torchtitan("cpu")

@@ -31,7 +31,7 @@ def only_on_legacy(covered_by: str):
 
 
 def _backend(flavor_backend: str, seed: int):
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import ModelConfig
 
     devices.prepare_torchtitan("cpu")
@@ -105,7 +105,7 @@ def test_init_from_logits_match_transformers(tmp_path):
     from tests.test_hf import write_hf_checkpoint
 
     hf_dir = write_hf_checkpoint(tmp_path / "qwen3_tiny", moe=False)
-    from qwen3_research import device as devices
+    from qwen3_research import devices
 
     devices.prepare_torchtitan("cpu")
     from qwen3_research.models import build
@@ -282,7 +282,7 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
     from qwen3_research.config import to_run_config
 
     rc = to_run_config(composed)
-    from qwen3_research import device as devices
+    from qwen3_research import devices
 
     devices.prepare_torchtitan("cpu")
     # nki_debug's experts on the meta device (verify reads only their shapes); tiny dense for RoPE (its cache)
@@ -309,7 +309,7 @@ def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
     """kernels=fast (moe_fast + rope_fast, CPU and CUDA) resolves on both torchtitans' module trees (0.2.x:
     layers.N.moe.experts and the adapter's RoPE module), installs and verifies against the float32 references.
     Its target was 0.3.x's path, so on AWS's 0.2.x base a GPU run was refused as matching no module."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.compose import compose_resolved
     from qwen3_research.config import to_run_config
     from qwen3_research.kernels import apply_overrides
@@ -333,7 +333,7 @@ def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
 
 def test_rope_module_the_adapter_adds_keeps_the_logits():
     """0.2.x has no RoPE module: the adapter's (for RoPE kernels) gives the same logits and state-dict keys."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
 
     devices.prepare_torchtitan("cpu")
     model = _backend("native", seed=0).model
@@ -553,7 +553,7 @@ def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
     import importlib
     import inspect
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
 
     devices.prepare_torchtitan("cpu")
     from qwen3_research.titan import v02_seams as v02

@@ -234,7 +234,7 @@ def test_a_failed_rank_is_one_line_without_the_agents_traceback(tmp_path):
 def test_cpu_ranks_far_above_the_cores_are_refused_unless_forced(monkeypatch):
     """parallelism.nproc_per_node=20000 on 2 cores was accepted by the doctor and the run. The limit is 8 ranks per
     core (the tests run 4 ranks on 2 cores); parallelism.oversubscribe=true starts them anyway; a plan is not refused."""
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.resolve import resolve_run
 
     monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
@@ -252,7 +252,7 @@ def test_cpu_ranks_far_above_the_cores_are_refused_unless_forced(monkeypatch):
 
 def test_the_doctor_refuses_cpu_ranks_far_above_the_cores(capsys):
     from qwen3_research import doctor
-    from qwen3_research.device import cpu_cores
+    from qwen3_research.devices import cpu_cores
 
     n = 8 * cpu_cores() + 1
     status = doctor.main(["device=cpu", f"parallelism.nproc_per_node={n}"])
@@ -270,13 +270,13 @@ def test_a_cpu_ranks_plan_capacity_is_its_share_of_the_cgroup_limit(tmp_path, mo
     told they had the host's 24 GiB."""
     import psutil
 
-    from qwen3_research import device as devices
+    from qwen3_research import devices
     from qwen3_research.config import to_run_config
     from qwen3_research.planner import capacity
 
     (tmp_path / "memory.max").write_text(limit + "\n")
     monkeypatch.setattr(devices.host, "cgroup_memory_files", lambda: [str(tmp_path / "memory.max")])  # devices/host.py
-    gib, source = capacity(to_run_config(compose(["device=cpu"])), ranks)
+    gib, source = capacity(to_run_config(compose(["device=cpu"])), "cpu", ranks)
     print(f"{gib:.2f} GiB per rank ({source})")
     if want is None:
         assert gib == pytest.approx(psutil.virtual_memory().total / ranks / 1024**3) and "host RAM / 2 ranks" in source

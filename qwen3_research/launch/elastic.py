@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from qwen3_research import compiling
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research import models, slurm, startup
 from qwen3_research.compose import compose
 from qwen3_research.config import RunConfig

@@ -12,13 +12,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research import fit
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
 from qwen3_research.config import WandbConfig, to_run_config, validate
 from qwen3_research.errors import ConfigError
-from qwen3_research.planner import make_plan
 from qwen3_research.report import EXIT_SOME_FAILED, POINT_COLUMNS, best_point_line, find_runs, report, sweep_points
-from qwen3_research.run.sinks import log_sweep_table
 from qwen3_research.signals import Interrupted, signal_number
 from qwen3_research.startup import quiet_libraries
 
@@ -136,6 +133,8 @@ def sweep_summary(runs, sweep_dir: Path, config: DictConfig) -> str:
     if points and config.get("logging") is not None:
         wandb_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WandbConfig), config.logging.wandb))
         heatmap = sweep_dir / "heatmap.png"
+        from qwen3_research.run.sinks import log_sweep_table  # deferred: start-up (sinks loads torch; __main__ imports this)
+
         log_sweep_table(wandb_cfg, sweep_dir, wandb_group(sweep_dir), POINT_COLUMNS,
                         [[p[c] for c in POINT_COLUMNS] for p in points], [heatmap] if heatmap.is_file() else [])
     return best_point_line(runs, points)
@@ -209,6 +208,9 @@ def plan_key(composed: dict) -> str:
 def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
     """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Points whose
     configs differ only in ``PLAN_FREE_KEYS`` are traced once; each point's own values are still validated."""
+    # deferred: start-up (__main__ imports this module for override parsing; the plan loads torch)
+    from qwen3_research import fit, planner
+
     quiet_libraries()  # torchtitan's INFO lines ("Total parameter count") per traced point stay off the console
     planned: dict[str, dict] = {}
 
@@ -233,7 +235,7 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
                 validate(to_run_config(composed))  # its own seed, lr, … (the shared plan checked another point's)
                 entry = dict(planned[key])
             else:
-                plan = make_plan(composed)
+                plan = planner.make_plan(composed)
                 entry = plan.as_dict()
                 if not plan.fits and config.sweep.plan == "fit":
                     entry = _fitted(entry, composed, list(job), swept)
@@ -264,6 +266,8 @@ def _fitted(entry: dict, composed: dict, job: list[str], swept: set[str]) -> dic
     the swept keys and the keys its command line sets kept; the entry then is that variant's plan, with what changed
     (``adjusted``: key -> [configured, used]) and the overrides that change it. Nothing fits: the entry keeps its
     verdict (the point is skipped) and says what dominates."""
+    from qwen3_research import fit  # deferred: start-up (as in the plan above: fit loads torch)
+
     result = fit.search(composed, frozen=swept | fit.explicit_keys(job), k=1, echo=lambda msg: None)
     if not result.fits:
         return {**entry, "fit": f"no variant fits: {result.dominant}"}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from qwen3_research import device as devices
+from qwen3_research import devices
 from qwen3_research import models, titan
 from qwen3_research.config import to_run_config
 from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
