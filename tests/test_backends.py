@@ -79,6 +79,9 @@ def test_in_tree_specs_declare_what_callers_asked_by_name():
     assert registry.get("native_moe") is specs["native"]
     assert registry.canonical(ModelConfig(backend="native_moe", flavor="tiny")) == ModelConfig(backend="native",
                                                                                                flavor="tiny_moe")
+    old_meta = {"backend": "native_moe", "flavor": "debug", "path": None, "init_from": None}  # a meta.json's model
+    assert registry.canonical(old_meta) == {**old_meta, "backend": "native", "flavor": "debug_moe"}
+    assert registry.canonical(ModelConfig(backend="native_moe", flavor="auto", init_from="/m")).flavor == "auto"
     assert registry.balance_modes(ModelConfig(backend="native", flavor="tiny")) == ("none",)
     assert registry.balance_modes(ModelConfig(backend="native", flavor="tiny_moe"))[0] == "bias"
 
