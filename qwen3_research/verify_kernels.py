@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         run = resolve.resolve_run(cfg, builds_here=True, prepare=lambda kind, lnc, _: devices.prepare_launch(kind, lnc, 1))
         rc = run.rc
         device_type = devices.resolve_device_type(run.device_kind)  # the resolved kind, torch-checked here
-        if devices.validate_only():  # test hook (device.py): the checks above, on a meta-device model
+        if devices.validate_only():  # test hook (devices/__init__.py): the checks above, on a meta-device model
             resolve.warn_kernel_matches(run.kernel_warnings)
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return 0

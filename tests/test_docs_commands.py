@@ -5,7 +5,7 @@ every README line that asks for ``device=neuron``, every line of docs/TRAINIUM.m
 commands on a trn2 host". Each project command runs, as written (its ``VAR=value`` prefix included), on a
 simulated trn2.48xlarge (tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the
 driver's sysfs file and the aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
-``QWEN3_VALIDATE_ONLY=1`` (qwen3_research/device.py): a run, ``verify_kernels`` and the doctor's ``--run`` checks
+``QWEN3_VALIDATE_ONLY=1`` (qwen3_research/devices/__init__.py): a run, ``verify_kernels`` and the doctor's ``--run`` checks
 stop right before the first thing that needs the device, after the configuration, the degrees, the LNC and cores,
 the torchtitan and kernel checks (on a meta-device model); the doctor and ``qwen3_research.plan`` need no device
 and run whole. Verdict: exit 0 and the line that says the command got there. ``pytest`` lines must select at

@@ -94,7 +94,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.devices", "qwen3_research.devices.*",
                   "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
                   "qwen3_research.allocator"]),
-    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors", "qwen3_research.host"]),
+    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),
 ]
 
 
@@ -727,7 +727,7 @@ def test_no_cycles_between_folders():
 # The entry points and what a config error needs before anything is built (the brief's light path).
 LIGHT_SET = ("qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor", "qwen3_research.export",
              "qwen3_research.compare", "qwen3_research.verify_kernels", "qwen3_research.compose", "qwen3_research.config",
-             "qwen3_research.errors", "qwen3_research.host", "qwen3_research.devices", "qwen3_research.startup",
+             "qwen3_research.errors", "qwen3_research.devices", "qwen3_research.startup",
              "qwen3_research.allocator")
 # Config errors that exit 2 without torch (a misspelled key, an unknown option); a degree error is checked
 # after the schema, with the host's device facts: reported, not asserted (bench_startup's third command).
@@ -869,3 +869,79 @@ def test_the_issue32_scans_can_fail(tmp_path):
     proc, traced, processes = traced_imports([sys.executable, "-c", "import planted_heavy"], env)
     assert proc.returncode == 0 and processes == 1 and "planted_heavy" in traced and "torch" in traced
     assert first_import_chain(proc.stderr, NOT_AT_START) == ["planted_heavy", "torch"]
+
+
+# -- issue 32 deliverable 8: ARCHITECTURE.md's "Where to add", each count checked against the tree ------------------
+WHERE_TO_ADD = re.compile(r"^- \*\*(A [a-z ]+)\*\* \((\d+) files?: ((?:`[^`]+`(?:,\s+)?)+)\)", re.M)
+
+
+def where_to_add(text: str) -> dict[str, tuple[int, list[str]]]:
+    """'A device' -> (the count it states, the paths it lists) for each entry of the "Where to add" section."""
+    section = text[text.index("## Where to add"):]
+    return {what: (int(n), re.findall(r"`([^`]+)`", paths)) for what, n, paths in WHERE_TO_ADD.findall(section)}
+
+
+def _yaml_value(path: Path, key: str) -> str | None:
+    m = re.search(rf"^{key}:\s*([\w.-]+)", path.read_text(), re.M)
+    return m.group(1) if m else None
+
+
+def instances_of(what: str) -> dict[str, list[str]]:
+    """What the tree holds of each kind of addition: instance -> the files it is made of, found without the
+    document (the device kinds the registry discovers, the backends of conf/model, the kernel modules the kernels
+    package imports, the launchers of conf/hydra/launcher, the module that builds the metrics record)."""
+    from qwen3_research import devices
+    from qwen3_research.devices.registry import NOT_KINDS
+
+    if what == "A device":
+        modules = {p.stem for p in (PKG / "devices").glob("*.py") if p.stem not in NOT_KINDS and not p.stem.startswith("_")}
+        yamls = {_yaml_value(p, "type"): p for p in (ROOT / "conf/device").glob("*.yaml") if p.stem != "auto"}
+        assert modules == set(devices.kinds()) == set(yamls), (modules, devices.kinds(), yamls)
+        return {k: [f"qwen3_research/devices/{k}.py", str(yamls[k].relative_to(ROOT))] for k in modules}
+    if what == "A kernel":
+        init = (PKG / "kernels/__init__.py").read_text()
+        mods = re.search(r"^from qwen3_research\.kernels import ([\w, ]+)  # noqa", init, re.M).group(1).split(", ")
+        options = {p: p.read_text() for p in (ROOT / "conf/kernels").glob("*.yaml")}
+        out = {}
+        for m in mods:
+            names = re.findall(r'name="(\w+)"', (PKG / f"kernels/{m}.py").read_text())
+            option = next(p for p, text in sorted(options.items()) if any(re.search(rf"\b{n}\b", text) for n in names))
+            out[m] = [f"qwen3_research/kernels/{m}.py", "qwen3_research/kernels/__init__.py", str(option.relative_to(ROOT))]
+        return out
+    if what == "A model backend":
+        folders = {p.parent.name for p in (PKG / "models").glob("*/__init__.py") if "BACKEND = " in p.read_text()}
+        return {b: [f"qwen3_research/models/{b}/__init__.py", f"conf/model/{b}.yaml"] for b in folders}
+    if what == "A launcher":
+        return {p.stem: [str(p.relative_to(ROOT))] for p in (ROOT / "conf/hydra/launcher").glob("*.yaml")}
+    if what == "A metric":
+        return {"the record": [str(p.relative_to(ROOT)) for p in PKG.glob("*.py") if "def _record(" in p.read_text()]}
+    raise AssertionError(f"no instances known for {what!r}")
+
+
+def test_where_to_add_counts_match_the_tree():
+    """Each entry of ARCHITECTURE.md's "Where to add" (a device, a kernel, a model backend, a launcher, a metric)
+    states how many files an addition is and lists them; the count is the list's length, and every existing
+    instance found in the tree is exactly those files (a device kind: its module and its YAML, nothing else listing
+    it)."""
+    entries = where_to_add((ROOT / "ARCHITECTURE.md").read_text())
+    assert set(entries) == {"A device", "A kernel", "A model backend", "A launcher", "A metric"}, entries
+    for what, (count, paths) in entries.items():
+        found = instances_of(what)
+        print(f"\n{what}: {count} file(s) {paths}; in the tree: "
+              + "; ".join(f"{k}: {', '.join(files)}" for k, files in sorted(found.items())))
+        assert count == len(paths) and found
+        for instance, files in found.items():
+            assert len(files) == count, (what, instance, files)
+            for template, path in zip(paths, files):
+                pattern = re.sub(r"<[a-z]+>", "*", template)
+                assert fnmatch.fnmatchcase(path, pattern) and (ROOT / path).is_file(), (what, instance, template, path)
+
+
+def test_where_to_add_can_fail():
+    """A stated count that is not the list's length, or an entry the tree does not match, is seen."""
+    doc = ("## Where to add\n\n- **A device** (3 files: `qwen3_research/devices/<kind>.py`, `conf/device/<kind>.yaml`): x\n"
+           "- **A metric** (1 file: `qwen3_research/metrics.py`): y\n")
+    entries = where_to_add(doc)
+    assert entries["A device"] == (3, ["qwen3_research/devices/<kind>.py", "conf/device/<kind>.yaml"])
+    assert entries["A device"][0] != len(entries["A device"][1])
+    assert instances_of("A metric")["the record"] != entries["A metric"][1]  # _record is in trainer.py

@@ -143,12 +143,10 @@ def _cpu_kind() -> str:
 
 
 def run_dtype(cfg) -> str:
-    """The compute dtype a run resolves to: bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
+    """The compute dtype of a resolved run's config (``resolve.auto_settings`` filled in ``auto``; the run's
+    ``PrecisionPlan.compute_dtype`` says the same): bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
     process, FSDP2 bf16 parameters when sharded), else float32."""
-    mp = getattr(cfg.training, "mixed_precision", "none")
-    if mp == "auto":  # a config not resolved (resolve fills it in): the device's default
-        mp = devices.get(devices.device_kind(cfg.device.type)).default_precision
-    return "bfloat16" if mp == "bf16" else "float32"
+    return "bfloat16" if getattr(cfg.training, "mixed_precision", "none") == "bf16" else "float32"
 
 
 def speed_note(spec: KernelSpec, kind: str, dtype: str, table=None) -> tuple[bool, str]:

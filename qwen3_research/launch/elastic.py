@@ -448,7 +448,7 @@ def run(cfg: DictConfig | None, run_dir: str, *, resolved: ResolvedRun | None = 
                 discard_earlier_run(rc, run_path)
         if _writes_run_files() and resolved.compile is not None:
             print(resolved.compile.describe(), flush=True)  # decided once at resolution, with its reason
-        if devices.validate_only():  # test hook (device.py): every start-up check above passed; no worker, no summary
+        if devices.validate_only():  # test hook (devices/__init__.py): every start-up check above passed; no worker, no summary
             warn_kernel_matches(resolved.kernel_warnings)  # what the workers would have warned about
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return {"status": "validated"}
