@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qwen3_research import allocator, compiling, startup
+from qwen3_research import allocator, compiling
 from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
 from qwen3_research.run.export_hf import compute_dtype as export_dtype
 from qwen3_research.run.export_hf import export_trained, held_out_inputs
@@ -53,7 +53,6 @@ class Trainer:
     """
 
     def __init__(self, run: ResolvedRun, info: RunInfo):
-        startup.note_trainer_built()
         self.run = run
         self.cfg = cfg = run.rc
         self.info = info
