@@ -23,7 +23,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research import slurm
+from qwen3_research import resolve, slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import register_configs
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
@@ -138,7 +138,7 @@ def _task_key(overrides) -> tuple[str, ...]:
 
 
 def preflight(overrides: list[str]) -> str | None:
-    """Compose once and resolve once (``launch.elastic.resolve_before_hydra``: ``resolve.resolve_run``, the same
+    """Compose once and resolve once (``resolve.resolve_before_hydra``: ``resolve.resolve_run``, the same
     checks the launcher and every other entry point make, the kernel targets on a meta-device model included, then
     the run dir); exit 2 with one line on any configuration error, before Hydra creates anything. The result is
     kept for Hydra's task function (``_RESOLVED``). Returns the run dir checked (None: Hydra's run resolves it, or
@@ -152,7 +152,7 @@ def preflight(overrides: list[str]) -> str | None:
             run_dir = str(composed.hydra.run.dir)
         except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: launch.elastic.run checks it
             run_dir = None
-        run = _launch().resolve_before_hydra(cfg, run_dir)
+        run = resolve.resolve_before_hydra(cfg, run_dir)
     except ConfigError as e:
         _die(f"config error: {e}")
     _RESOLVED = (_task_key(overrides), run)
@@ -285,7 +285,7 @@ def _main() -> None:
         preflight_overrides(overrides)
     if not passthrough:
         run_dir = preflight(overrides)
-        if _launch().under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
+        if resolve.under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
             sys.argv += _launch().torchrun_overrides(overrides, run_dir)
         elif run_dir is not None and not _names_run_dir(overrides):  # Hydra's run uses the dir checked (${now:})
             sys.argv.append(f"hydra.run.dir={json.dumps(run_dir)}")

@@ -44,6 +44,7 @@ from qwen3_research.config import to_run_config
 from qwen3_research.devices import DoctorContext
 from qwen3_research.errors import ConfigError
 from qwen3_research.models import registry
+from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches
 
 TITAN_INSTALL = ("pip install torchtitan==0.3.0, or on Trainium AWS's fork: git clone -b release-2.33 "
                  "https://github.com/aws-neuron/torchtitan-neuron && pip install -e torchtitan-neuron")
@@ -99,9 +100,6 @@ def _kernel_options(device_type: str, lnc: int | None = None) -> dict[str, tuple
 
 def collect(overrides: list[str]) -> tuple[list[Row], dict]:
     """The table rows, and what ``--run`` needs (device type, usable kernel options)."""
-    # deferred: start-up (resolve loads torch; --help and a bad flag answer without it, and a missing torch is a row)
-    from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches
-
     rows: list[Row] = []
     ctx: dict = {"device": None, "kernels": []}
     py = sys.version_info

@@ -26,6 +26,10 @@ def log_call(name: str) -> None:
         f.write(f"{os.getpid()} {role} {name}\n")
 
 
+class AlreadyComplete(Exception):
+    """A resume of a run that has nothing left to train: say so, exit 0, write nothing (``run.rundir`` raises it)."""
+
+
 class ConfigError(ValueError):
     """A configuration problem the user must fix; printed as one line, exit status 2."""
 

@@ -54,6 +54,7 @@ import sys
 
 from qwen3_research.compose import compose_resolved
 from qwen3_research.errors import ConfigError
+from qwen3_research.resolve import resolve_run
 from qwen3_research.startup import quiet_libraries, run_tool
 
 EXIT_FITS = 0
@@ -81,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     trace_all = "--trace-all-roles" in argv  # trace the largest rank even when its shapes are rank 0's
     fit = "--fit" in argv  # search the variants that fit (qwen3_research.fit)
     argv = [a for a in argv if a not in ("--json", "--trace-all-roles", "--fit")]
-    # deferred: start-up (resolve and the trace load torch: --help and a bad flag exit before them)
-    from qwen3_research import fit as fitting, planner, resolve
-
-    try:  # resolved as a run would be
-        run = resolve.resolve_run(compose_resolved(argv), plan=True)
+    try:  # resolved as a run would be, before the trace's heavy half is imported: a config error exits without it
+        run = resolve_run(compose_resolved(argv), plan=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    # deferred: start-up (the heavy half: torch and the step's parts, after a config error has exited)
+    from qwen3_research import fit as fitting, planner
+
     if fit:
         return _fit(fitting, argv, run, as_json)
     try:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,13 +57,9 @@ from qwen3_research import compiling
 from qwen3_research import devices
 from qwen3_research import models, slurm
 from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import ConfigError, log_call
-from qwen3_research.kernels import KernelMatchWarning, kernel_support
-from qwen3_research.kernels import resolve as resolve_kernels
-from qwen3_research.kernels.registry import planning_for
+from qwen3_research.errors import AlreadyComplete, ConfigError, check_writable, log_call
 from qwen3_research.models import registry
 from qwen3_research.parallel import has_fsdp_units, validate_degrees
-from qwen3_research.run import checkpoint, rundir
 
 
 @dataclass(frozen=True)
@@ -132,6 +129,17 @@ def precision_plan(mixed_precision: str, degrees, *, torchtitan: bool) -> Precis
     where = "one process" if not degrees.sharded else f"{degrees.describe()}: no FSDP2 units"
     return PrecisionPlan("autocast_bf16", "float32", "float32", "float32", autocast=True,
                          reason=f"training.mixed_precision=bf16 on {where}: autocast over float32 parameters")
+
+
+@dataclass
+class RunInfo:
+    """What the launcher knows about this run beyond its config."""
+
+    run_dir: str
+    wandb_group: str | None = None
+    wandb_name: str | None = None
+    swept: dict = field(default_factory=dict)  # sweep point: overridden key -> value
+    prediction: dict = field(default_factory=dict)  # sweep point: its plan (qwen3_research.plan), in W&B config + summary
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,9 @@ def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> Resolve
     target's model and the ``init_from`` config); any other process only ``checkpoint.preflight``. Raises
     ConfigError, or ``rundir.AlreadyComplete`` for a finished run asked to resume. Returns the description with
     ``run_dir``, ``checkpoint_root``, ``resume_from`` and ``init_from`` filled in; writes nothing."""
+    # deferred: start-up (the run dir's checks read checkpoints: torch; a config error exits before them)
+    from qwen3_research.run import checkpoint, rundir
+
     run_dir = Path(os.path.abspath(str(run_dir)))
     rc = run.rc
     if owner:
@@ -297,8 +308,40 @@ def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> Resolve
                                init_from=rc.model.init_from or None)
 
 
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
+    """The CLI's one resolution, before Hydra creates anything (``__main__.preflight``): ``resolve_run`` (with the
+    LNC into the environment workers inherit), a tokenizer other than the packaged one loaded once, then the run
+    dir (``resolve.at_run_dir``: one owner, resume rules, the checkpoint a resume loads) and whether it and the
+    checkpoint dir can be written. ``run_dir``: ``hydra.run.dir`` as composed (None: only Hydra's run can resolve
+    it, and ``run`` checks it). A finished run asked to resume prints why and exits 0; a refusal is a ConfigError."""
+    run = resolve_run(cfg, prepare=devices.prepare_launch)  # under torchrun also against the world size it started
+    spec = models.tokenizer_spec(run.rc)
+    if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
+        from qwen3_research.data import Tokenizer, tokenizer_path  # deferred: start-up (data loads torch)
+
+        Tokenizer(tokenizer_path(spec))
+    if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
+        return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
+    try:
+        run = at_run_dir(run, run_dir, owner=True)
+    except AlreadyComplete as done:
+        print(str(done), flush=True)
+        sys.exit(0)
+    check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
+    if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
+        check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
+    return run
+
+
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:
     """``kernels.kernel_support`` for the run's entries on its device: what each needs that this host lacks."""
+    # deferred: start-up (kernels load torch; a config error up to the degrees exits without it)
+    from qwen3_research.kernels import kernel_support
+
     return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
 
 
@@ -315,6 +358,10 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
     from types import SimpleNamespace
 
     import torch
+
+    # deferred: start-up (kernels load torch; a config error up to the degrees exits without it)
+    from qwen3_research.kernels import KernelMatchWarning, resolve as resolve_kernels
+    from qwen3_research.kernels.registry import planning_for  # deferred: start-up (as above)
 
     devices.prepare_torchtitan("cpu")  # the module structure only: nothing is placed on the run's device
     meta = torch.device("meta")
@@ -337,6 +384,9 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
 def warn_kernel_matches(messages) -> None:
     """Show the no-match warnings of a resolution (``kernel_warnings``) where no worker will resolve the entries
     again (the validate-only hook, the doctor)."""
+    # deferred: start-up (kernels load torch; a config error up to the degrees exits without it)
+    from qwen3_research.kernels import KernelMatchWarning
+
     for msg in messages:
         warnings.warn(msg, KernelMatchWarning, stacklevel=2)
 

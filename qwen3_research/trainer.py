@@ -25,22 +25,11 @@ from qwen3_research.run.export_hf import export_trained, held_out_inputs
 from qwen3_research.metrics import mfu, tokens_per_second
 from qwen3_research.memory import track_step
 from qwen3_research.profiling import Profiler, artifact_groups, is_out_of_memory
-from qwen3_research.resolve import ResolvedRun
+from qwen3_research.resolve import ResolvedRun, RunInfo  # noqa: F401  (RunInfo re-exported for callers)
 from qwen3_research.run.checkpoint import Checkpointer
 from qwen3_research.run.sinks import build_sinks
 from qwen3_research.signals import Interrupted, StopOnSignal
 from qwen3_research.step import build_step, compute_dtype, place, signal_launcher_at_eval
-
-
-@dataclass
-class RunInfo:
-    """What the launcher knows about this run beyond its config."""
-
-    run_dir: str
-    wandb_group: str | None = None
-    wandb_name: str | None = None
-    swept: dict = field(default_factory=dict)  # sweep point: overridden key -> value
-    prediction: dict = field(default_factory=dict)  # sweep point: its plan (qwen3_research.plan), in W&B config + summary
 
 
 class Trainer:

@@ -23,6 +23,7 @@ if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 1
 from qwen3_research import models  # noqa: E402
 from qwen3_research.compose import compose  # noqa: E402
 from qwen3_research.config import ConfigError  # noqa: E402
+from qwen3_research.resolve import resolve_run, warn_kernel_matches  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,19 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
-        # deferred: start-up (torch, kernels and resolve load after the config is composed: a config error exits first)
-        from qwen3_research import devices, kernels, resolve
+        # deferred: start-up (torch and the kernels load after the config is composed: a config error exits first)
+        from qwen3_research import devices, kernels
 
         # The checks a run makes before any worker starts (resolve_run: the config, the backend's run checks --
         # titan.check_supported --, the kernels' kernel_support and their targets on a meta-device model), so a
         # kernel that cannot run here is the same one-line config error as in a run. This process builds the
         # model next, on the run's device. The LNC goes into the environment before TorchNeuron is imported (its
         # runtime reads it once); one process: one NeuronCore, not every core of the host.
-        run = resolve.resolve_run(cfg, builds_here=True, prepare=lambda kind, lnc, _: devices.prepare_launch(kind, lnc, 1))
+        run = resolve_run(cfg, builds_here=True, prepare=lambda kind, lnc, _: devices.prepare_launch(kind, lnc, 1))
         rc = run.rc
         device_type = devices.resolve_device_type(run.device_kind)  # the resolved kind, torch-checked here
         if devices.validate_only():  # test hook (devices/__init__.py): the checks above, on a meta-device model
-            resolve.warn_kernel_matches(run.kernel_warnings)
+            warn_kernel_matches(run.kernel_warnings)
             print(devices.VALIDATE_ONLY_LINE, flush=True)
             return 0
         devices.prepare_torchtitan(device_type)

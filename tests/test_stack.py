@@ -727,12 +727,12 @@ def test_no_cycles_between_folders():
 # The entry points and what a config error needs before anything is built (the brief's light path).
 LIGHT_SET = ("qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor", "qwen3_research.export",
              "qwen3_research.compare", "qwen3_research.verify_kernels", "qwen3_research.compose", "qwen3_research.config",
-             "qwen3_research.errors", "qwen3_research.devices", "qwen3_research.startup",
+             "qwen3_research.errors", "qwen3_research.devices", "qwen3_research.resolve", "qwen3_research.startup",
              "qwen3_research.allocator")
-# Config errors that exit 2 without torch (a misspelled key, an unknown option); a degree error is checked
-# after the schema, with the host's device facts: reported, not asserted (bench_startup's third command).
-LIGHT_CONFIG_ERRORS = (["training.stepz=1"], ["model=nope"])
-REPORTED_CONFIG_ERRORS = (["parallelism.tp=3", "parallelism.nproc_per_node=2"],)
+# Config errors that exit 2 without torch: a misspelled key, an unknown option, and parallel degrees the world size
+# cannot hold (resolve_run checks them before its torch-using halves -- kernels, checkpoints -- load).
+LIGHT_CONFIG_ERRORS = (["training.stepz=1"], ["model=nope"], ["parallelism.tp=3", "parallelism.nproc_per_node=2"])
+REPORTED_CONFIG_ERRORS: tuple = ()
 NOT_AT_START = ("torch", "torchtitan", "transformers")
 
 

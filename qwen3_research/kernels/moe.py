@@ -320,7 +320,9 @@ register(KernelSpec(
 ))
 
 
-@torch.compiler.disable  # eager inside a compiled block: its per-expert loop slices rows by data-dependent counts,
+# torch.compiler.disable, applied on the first call (torch/_compile.py: _disable_dynamo imports torch._dynamo then):
+# at import it would load dynamo and Triton (~2 s) into every process that resolves a run, a config error's included.
+@torch._disable_dynamo  # eager inside a compiled block: its per-expert loop slices rows by data-dependent counts,
 def _moe_reference_op(x, w1, w2, w3, counts):  # which inductor's codegen lost ("cannot access local variable 'u11'")
     with _no_autocast(x):  # the float32 reference stays float32 inside a bf16 autocast run
         return moe_reference(x, w1, w2, w3, counts).to(x.dtype)

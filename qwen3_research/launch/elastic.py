@@ -30,15 +30,12 @@ from qwen3_research.parallel import rendezvous
 from qwen3_research.run.checkpoint import find_checkpoint
 from qwen3_research.data import Tokenizer, tokenizer_path
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError, check_writable
-from qwen3_research.resolve import ResolvedRun, at_run_dir, resolve_run, warn_kernel_matches
+from qwen3_research.resolve import (ResolvedRun, RunInfo, at_run_dir, resolve_before_hydra,  # noqa: F401  (re-exported)
+                                    resolve_run, under_torchrun, warn_kernel_matches)
 from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, discard_earlier_run, read_summary
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.startup import quiet_libraries
-from qwen3_research.trainer import RunInfo, Trainer
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+from qwen3_research.trainer import Trainer
 
 
 def _writes_run_files() -> bool:
@@ -72,29 +69,6 @@ def torchrun_overrides(overrides: list[str], run_dir: str | None = None, timeout
     else:
         run_dir = store.get(key).decode()  # blocks until rank 0 has set it
     return [f"hydra.run.dir={json.dumps(run_dir)}"] + quiet
-
-
-def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
-    """The CLI's one resolution, before Hydra creates anything (``__main__.preflight``): ``resolve_run`` (with the
-    LNC into the environment workers inherit), a tokenizer other than the packaged one loaded once, then the run
-    dir (``resolve.at_run_dir``: one owner, resume rules, the checkpoint a resume loads) and whether it and the
-    checkpoint dir can be written. ``run_dir``: ``hydra.run.dir`` as composed (None: only Hydra's run can resolve
-    it, and ``run`` checks it). A finished run asked to resume prints why and exits 0; a refusal is a ConfigError."""
-    run = resolve_run(cfg, prepare=devices.prepare_launch)  # under torchrun also against the world size it started
-    spec = models.tokenizer_spec(run.rc)
-    if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
-        Tokenizer(tokenizer_path(spec))
-    if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
-        return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
-    try:
-        run = at_run_dir(run, run_dir, owner=True)
-    except AlreadyComplete as done:
-        print(str(done), flush=True)
-        sys.exit(0)
-    check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
-    if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
-        check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
-    return run
 
 
 def _limit_threads(local_world_size: int) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from qwen3_research import models, slurm
 from qwen3_research.data import _sha256, data_layout, tokenizer_path
-from qwen3_research.errors import ConfigError, log_call
+from qwen3_research.errors import AlreadyComplete, ConfigError, log_call  # noqa: F401  (AlreadyComplete re-exported)
 from qwen3_research.run import checkpoint
 from qwen3_research.run.checkpoint import (find_checkpoint, list_checkpoints, owner_conflict, preflight, read_meta,
                                            refuse_layout_change)
@@ -37,10 +37,6 @@ SUMMARY = "summary.json"
 
 
 _SAID: set[str] = set()
-
-
-class AlreadyComplete(Exception):
-    """A resume of a run that has nothing left to train: say so, exit 0, write nothing."""
 
 
 def run_files(run_dir: Path) -> list[str]:
