@@ -193,14 +193,15 @@ def test_the_docs_list_every_step_and_preset():
 
 
 def test_the_old_headline_command_fails(host):
-    """The README's former headline Trainium command (the tiny MoE, hidden 128, with kernels=nki_moe): one line, exit 2."""
+    """The README's former headline Trainium command (the tiny MoE, hidden 128, with kernels=nki_moe): one line, exit 2
+    (model=native_moe is now the preset native + tiny_moe, the flavor the line names)."""
     env, cwd = host
     old = DocCommand("README.md before issue 22", "python -m qwen3_research model=native_moe kernels=nki_moe "
                      "device=neuron data.seq_len=256")
     old.argv = shlex.split(old.line)
     ok, verdict = run_documented(old, env, cwd)
     print(f"\n{old.line}\n  -> {verdict}")
-    assert not ok and verdict.startswith("exit 2: config error: kernels=nki_moe: hidden width H=128 (model.flavor=tiny)")
+    assert not ok and verdict.startswith("exit 2: config error: kernels=nki_moe: hidden width H=128 (model.flavor=tiny_moe)")
 
 
 if __name__ == "__main__":  # list the parsed commands
