@@ -7,17 +7,19 @@ to Hydra; each point validates itself and a bad point fails alone.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
-from pathlib import Path
-
 if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
-    from qwen3_research import allocator, startup
+    from qwen3_research import startup  # before anything else is imported: the window without the handler is short
 
-    allocator.ensure("qwen3_research")  # first: may re-exec this command with mimalloc preloaded (allocator.py)
     startup.exit_at_once_while_importing("before training started; nothing was written")
+    from qwen3_research import allocator
+
+    allocator.ensure("qwen3_research")  # may re-exec this command with mimalloc preloaded (allocator.py)
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
