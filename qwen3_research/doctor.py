@@ -36,15 +36,20 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from qwen3_research import startup
 
-from qwen3_research import devices, titan
-from qwen3_research.compose import CONF_DIR, compose
-from qwen3_research.config import to_run_config
-from qwen3_research.devices import DoctorContext
-from qwen3_research.errors import ConfigError
-from qwen3_research.models import registry
-from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 128+signal, one line
+    startup.exit_at_once_while_importing("; the doctor was stopped")
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from qwen3_research import devices, titan  # noqa: E402
+from qwen3_research.compose import CONF_DIR, compose  # noqa: E402
+from qwen3_research.config import to_run_config  # noqa: E402
+from qwen3_research.devices import DoctorContext  # noqa: E402
+from qwen3_research.errors import ConfigError  # noqa: E402
+from qwen3_research.models import registry  # noqa: E402
+from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches  # noqa: E402
 
 TITAN_INSTALL = ("pip install torchtitan==0.3.0, or on Trainium AWS's fork: git clone -b release-2.33 "
                  "https://github.com/aws-neuron/torchtitan-neuron && pip install -e torchtitan-neuron")
@@ -313,6 +318,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from qwen3_research.startup import run_tool
-
-    sys.exit(run_tool(main, "the doctor was stopped"))
+    sys.exit(startup.run_tool(main, "the doctor was stopped"))

@@ -52,10 +52,14 @@ from __future__ import annotations
 import json
 import sys
 
-from qwen3_research.compose import compose_resolved
-from qwen3_research.errors import ConfigError
-from qwen3_research.resolve import resolve_run
-from qwen3_research.startup import quiet_libraries, run_tool
+from qwen3_research.startup import exit_at_once_while_importing, quiet_libraries, run_tool
+
+if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 128+signal, one line
+    exit_at_once_while_importing("; the plan was stopped; nothing was written")
+
+from qwen3_research.compose import compose_resolved  # noqa: E402
+from qwen3_research.errors import ConfigError  # noqa: E402
+from qwen3_research.resolve import resolve_run  # noqa: E402
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 4

@@ -249,22 +249,48 @@ def test_summary_json_never_holds_nan(tmp_path):
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
 
 
+SIGINT_WHILE_IMPORTING = '''
+import os, signal, sys
+
+class SigintAtImport:
+    """Ctrl-C once, when the command first imports the module TRIGGER names."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
+            open(os.environ["MARKER"], "w").write(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAtImport())
+'''
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["importing", "start-up", "training"])
 def test_ctrl_c_at_any_moment_exits_130(tmp_path, moment):
     run = tmp_path / "r"
     cmd = [sys.executable, "-m", "qwen3_research", *QUICK, "training.steps=50", "logging.wandb.mode=disabled",
            f"hydra.run.dir={run}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = cli_env()
+    if moment == "importing":  # the Ctrl-C lands while the command imports its modules (hydra, the first heavy one),
+        # not by a timer: 0.3 s after the start it fell inside the interpreter's own start-up (site) on a loaded
+        # host, before any code of ours runs, where Python itself dies of SIGINT
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(SIGINT_WHILE_IMPORTING)
+        env.update(PYTHONPATH=str(hook), TRIGGER="hydra", MARKER=str(tmp_path / "fired"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     ready = {"importing": lambda: True, "start-up": lambda: (run / ".hydra").is_dir(),
              "training": lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 1}[moment]
-    time.sleep(0.3)
-    while not ready() and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    if moment != "importing":
+        time.sleep(0.3)
+        while not ready() and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=240)
     print(moment, err[-500:])
+    assert moment != "importing" or (tmp_path / "fired").exists(), err[-2000:]
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert [ln for ln in err.splitlines() if ln.startswith("interrupted by SIGINT")], err[-2000:]
