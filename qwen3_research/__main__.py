@@ -8,12 +8,10 @@ to Hydra; each point validates itself and a bad point fails alone.
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
-    from qwen3_research import startup  # before anything else is imported: the window without the handler is short
+    from qwen3_research import allocator, startup
 
+    allocator.ensure("qwen3_research")  # first: may re-exec this command with mimalloc preloaded (allocator.py)
     startup.exit_at_once_while_importing("before training started; nothing was written")
-    from qwen3_research import allocator
-
-    allocator.ensure("qwen3_research")  # may re-exec this command with mimalloc preloaded (allocator.py)
 
 import json  # noqa: E402
 import os  # noqa: E402

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
 import resource
 
 from qwen3_research.devices import host, peaks
@@ -81,6 +79,9 @@ def _measured_peak(key: str) -> float:
 def cpu_id() -> str:
     """The CPU's model name and a hash of its feature flags: EPYCs of one name differ in AVX-512 / AVX512-BF16
     (GUIDE §7), and inductor's C++ kernels are built for the host's vector ISA."""
+    import hashlib  # here, not at the top: 5 ms of every start (the allocator's re-exec pays it twice)
+    import platform
+
     name, flags = platform.machine(), ""
     try:
         with open("/proc/cpuinfo") as f:

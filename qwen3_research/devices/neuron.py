@@ -9,7 +9,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from qwen3_research.devices import lnc as lnc_facts
@@ -129,6 +128,8 @@ def _peak_flops(dev, key: str, dtype) -> float:
 
 
 def _package_version(name: str) -> str:
+    from importlib import metadata  # here: 20 ms the allocator's re-exec would pay twice at every start
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -34,6 +33,8 @@ def measure_matmul_peak(device, dtype, n: int = 1024, seconds: float = 0.4) -> f
 
 
 def _cpu_peak_table(dtype) -> tuple[Path, dict, str]:
+    import platform  # here, not at the top: 2 ms of every start (the allocator's re-exec pays it twice)
+
     import torch
 
     threads = torch.get_num_threads()
