@@ -45,6 +45,32 @@ def cli_env(**extra) -> dict:
     return env
 
 
+SIGINT_AT_IMPORT = '''
+import os, signal, sys
+
+class SigintAtImport:
+    """Ctrl-C while the tool imports one of its modules (inside its main(), after the process started)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
+            open(os.environ["MARKER"], "w").write(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAtImport())
+'''
+
+
+def sigint_at_import(tmp_path: Path, trigger: str, marker: Path) -> dict:
+    """Environment for a command that gets Ctrl-C once, when it first imports the module ``trigger`` (a
+    sitecustomize hook on PYTHONPATH; ``marker`` is written when it fires): a Ctrl-C while importing, at a
+    chosen import rather than a timer."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    return {"PYTHONPATH": str(hook), "TRIGGER": trigger, "MARKER": str(marker)}
+
+
 def run_cli(args: list[str], *, run_dir: Path | None = None, timeout: float = 300, module: str = "qwen3_research",
             env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`python -m <module> *args` in its own process: forked from this pytest process's warm server when the

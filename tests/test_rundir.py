@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, ROOT, assert_ok, cli_env, read_metrics, run_cli, train_losses, wandb_history
+from tests.conftest import (FAST, ROOT, assert_ok, cli_env, read_metrics, run_cli, sigint_at_import, train_losses,
+                            wandb_history)
 
 QUICK = [a for a in FAST if not a.startswith(("training.steps", "logging.wandb"))]
 STEPS = 8
@@ -249,22 +250,6 @@ def test_summary_json_never_holds_nan(tmp_path):
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
 
 
-SIGINT_WHILE_IMPORTING = '''
-import os, signal, sys
-
-class SigintAtImport:
-    """Ctrl-C once, when the command first imports the module TRIGGER names."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
-            open(os.environ["MARKER"], "w").write(name)
-            os.kill(os.getpid(), signal.SIGINT)
-        return None
-
-sys.meta_path.insert(0, SigintAtImport())
-'''
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["importing", "start-up", "training"])
 def test_ctrl_c_at_any_moment_exits_130(tmp_path, moment):
@@ -275,10 +260,7 @@ def test_ctrl_c_at_any_moment_exits_130(tmp_path, moment):
     if moment == "importing":  # the Ctrl-C lands while the command imports its modules (hydra, the first heavy one),
         # not by a timer: 0.3 s after the start it fell inside the interpreter's own start-up (site) on a loaded
         # host, before any code of ours runs, where Python itself dies of SIGINT
-        hook = tmp_path / "hook"
-        hook.mkdir()
-        (hook / "sitecustomize.py").write_text(SIGINT_WHILE_IMPORTING)
-        env.update(PYTHONPATH=str(hook), TRIGGER="hydra", MARKER=str(tmp_path / "fired"))
+        env.update(sigint_at_import(tmp_path, "hydra", tmp_path / "fired"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     ready = {"importing": lambda: True, "start-up": lambda: (run / ".hydra").is_dir(),

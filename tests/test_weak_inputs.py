@@ -15,7 +15,7 @@ import pytest
 from qwen3_research.compose import compose
 from qwen3_research.config import validate
 from qwen3_research.errors import ConfigError
-from tests.conftest import ROOT, cli_env
+from tests.conftest import ROOT, cli_env, sigint_at_import
 
 
 def lines(text: str) -> list[str]:
@@ -80,22 +80,6 @@ def test_compare_counts_each_run_once(tmp_path, capsys):
 
 # -- Ctrl-C in a tool -----------------------------------------------------------------------------------------------
 
-SIGINT_AT_IMPORT = '''
-import os, signal, sys
-
-class SigintAtImport:
-    """Ctrl-C while the tool imports one of its modules (inside its main(), after the process started)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == os.environ["TRIGGER"] and not os.path.exists(os.environ["MARKER"]):
-            open(os.environ["MARKER"], "w").write(name)
-            os.kill(os.getpid(), signal.SIGINT)
-        return None
-
-sys.meta_path.insert(0, SigintAtImport())
-'''
-
-
 @pytest.mark.parametrize("tool, args, trigger, stopped", [
     ("plan", ["training.steps=1"], "qwen3_research.planner", "the plan was stopped; nothing was written"),
     ("plan", ["--fit", "training.steps=1"], "qwen3_research.fit", "the plan was stopped; nothing was written"),
@@ -105,14 +89,11 @@ sys.meta_path.insert(0, SigintAtImport())
 ], ids=["plan", "plan-fit", "doctor", "verify_kernels", "compare"])
 def test_ctrl_c_in_a_tool_is_one_line(tmp_path, tool, args, trigger, stopped):
     """Each printed a 22-53-line KeyboardInterrupt traceback (the run itself: one line, exit 130)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
     marker = tmp_path / "fired"
     if args == ["SWEEP"]:
         args = [str(_run_dir(tmp_path / "sweep" / "0_a", 2.0).parent), "--out", str(tmp_path / "cmp")]
     proc = subprocess.run([sys.executable, "-m", f"qwen3_research.{tool}", *args], cwd=ROOT,
-                          env=cli_env(PYTHONPATH=str(hook), TRIGGER=trigger, MARKER=str(marker)), capture_output=True,
+                          env=cli_env(**sigint_at_import(tmp_path, trigger, marker)), capture_output=True,
                           text=True, timeout=300)
     assert marker.exists(), f"{trigger} was never imported\n{proc.stderr[-2000:]}"
     err = lines(proc.stderr)
