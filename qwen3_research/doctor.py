@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
@@ -46,7 +46,6 @@ from omegaconf import OmegaConf  # noqa: E402
 from qwen3_research import devices, titan  # noqa: E402
 from qwen3_research.compose import CONF_DIR, compose  # noqa: E402
 from qwen3_research.config import to_run_config  # noqa: E402
-from qwen3_research.devices import DoctorContext  # noqa: E402
 from qwen3_research.errors import ConfigError  # noqa: E402
 from qwen3_research.models import registry  # noqa: E402
 from qwen3_research.resolve import kernel_targets, resolve_run, warn_kernel_matches  # noqa: E402
@@ -63,6 +62,21 @@ class Row:
     value: str
     status: str = "ok"  # ok | info | MISSING
     fix: str = ""
+
+
+@dataclass
+class DoctorContext:
+    """What the doctor knows when it asks a device spec for its rows (``DeviceSpec.device_rows`` and the others take
+    it as ``ctx``)."""
+
+    requested: str  # device.type as given
+    kind: str  # what it resolves to
+    lnc: int | None = None
+    nproc: int | None = None  # processes per node the run would start (None: unknown)
+    ranks_here: int = 1  # the ranks sharing this host, as the run's resolution says (1 when it refused)
+    nnodes: int = 1
+    titan: dict = field(default_factory=dict)  # titan.distribution()
+    device_ok: bool = True
 
 
 def _version(dist: str) -> str | None:

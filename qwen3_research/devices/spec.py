@@ -7,8 +7,8 @@ that import torch when called; the rest is plain data a launching parent reads b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple
 
 
 class Check(NamedTuple):
@@ -33,10 +33,14 @@ def _lnc_not_applicable(ctx) -> Check:
                  f"(no NeuronCores: device is {ctx.kind})", "info")
 
 
-@dataclass(frozen=True)
-class DeviceSpec:
+class DeviceSpec(NamedTuple):
     """One device kind (``device.type``). Every ``Callable`` takes what its docstring line says; the runtime ``Device``
-    (``devices.runtime``) passes itself where a field takes ``dev``."""
+    (``devices.runtime``) passes itself where a field takes ``dev``.
+
+    Immutable, built with keywords. A ``NamedTuple`` rather than a frozen dataclass: the CPU allocator asks the
+    registry for the device kind before its re-exec (``allocator.py``), so this class is built in every command's
+    first process, where ``dataclasses`` (with ``inspect``) and a 60-field generated ``__init__`` cost ~15 ms of a
+    config error's ~0.45 s (``benchmarks/bench_startup.py``)."""
 
     kind: str  # the device.type value and torch's device type
     # -- launching -----------------------------------------------------------------------------------------
@@ -72,7 +76,7 @@ class DeviceSpec:
     cpu_allocator_auto: bool = False  # QWEN3_CPU_ALLOCATOR=auto preloads mimalloc for runs on this kind
     gloo_sum_reduction: bool = False  # FSDP2 must sum (gloo has no PREMUL_SUM): set_force_sum_reduction_for_comms
     rng_state_key: str | None = None  # the checkpoint's RNG key for the device generator (None: no device generator)
-    peaks: dict[str, float] = field(default_factory=dict)  # reference dense peak FLOP/s per rank by dtype key
+    peaks: Mapping[str, float] = MappingProxyType({})  # reference dense peak FLOP/s per rank by dtype key
     peak_source: str = ""  # where ``peaks`` come from
     measured_peak: Callable[[str], float] | None = None  # (dtype key) -> a measured peak where ``peaks`` has none
     # -- runtime (the Device passes itself as ``dev``) ------------------------------------------------------
@@ -84,7 +88,7 @@ class DeviceSpec:
     peak_flops: Callable[[Any, str, Any], float] = lambda dev, key, dtype: 0.0  # (dev, bf16|fp32|tf32, dtype)
     peak_dtype: Callable[[Any], str] = lambda dtype: "fp32"  # (torch dtype of an fp32 run) -> fp32 | tf32
     observed_peak: Callable[[Any, float], float] | None = None  # (dtype, reached FLOP/s) -> raised peak (cpu)
-    # -- the doctor (``DoctorContext`` in, rows out) -----------------------------------------------------------
+    # -- the doctor (``doctor.DoctorContext`` in, rows out) -----------------------------------------------------------
     device_rows: Callable[..., list[Check]] = _no_rows  # the "device" row (MISSING: not usable here) and notes
     lnc_row: Callable[..., Check] = _lnc_not_applicable  # the "LNC / logical cores" row
     doctor_rows: Callable[..., list[Check]] = _no_rows  # what else the host needs (neuron: neuron_host's checks)
@@ -100,16 +104,3 @@ class DeviceSpec:
             raise KeyError(f"device {self.kind} has no reference {dtype} peak (it has {sorted(self.peaks) or 'none'})")
         return self.peaks[dtype]
 
-
-@dataclass
-class DoctorContext:
-    """What the doctor knows when it asks a spec for its rows."""
-
-    requested: str  # device.type as given
-    kind: str  # what it resolves to
-    lnc: int | None = None
-    nproc: int | None = None  # processes per node the run would start (None: unknown)
-    ranks_here: int = 1  # the ranks sharing this host, as the run's resolution says (1 when it refused)
-    nnodes: int = 1
-    titan: dict = field(default_factory=dict)  # titan.distribution()
-    device_ok: bool = True
