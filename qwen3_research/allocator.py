@@ -92,7 +92,7 @@ def mimalloc_loaded() -> bool:
 
 def _wants_cpu_allocator(kind: str) -> bool:
     """Whether a command on ``kind`` gets mimalloc under auto (its spec says so; an unknown kind: no)."""
-    spec = devices.get(kind) if kind in devices.kinds() else None
+    spec = devices.find(kind)
     return spec is not None and spec.cpu_allocator_auto
 
 

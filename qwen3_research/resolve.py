@@ -225,7 +225,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     log_call("resolve_run")
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
-    planned_spec = devices.get(planned) if planned in devices.kinds() else None
+    planned_spec = devices.find(planned)
     # A plan for a device this host lacks (Trainium, a GPU) is made on CPU; the host's own kind needs nothing.
     elsewhere = bool(plan and planned_spec and not planned_spec.runs_on_host and not planned_spec.available())
     # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
@@ -417,7 +417,7 @@ def device_spec(device_type: str) -> tuple[str, devices.DeviceSpec | None]:
     (``devices.device_kind``: auto is the first registered kind this host has). An unknown type has no spec:
     ``check_device_settings`` names it."""
     kind = devices.device_kind(device_type)
-    return kind, devices.get(kind) if kind in devices.kinds() else None
+    return kind, devices.find(kind)
 
 
 def auto_settings(resolved: dict) -> dict:

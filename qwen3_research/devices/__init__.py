@@ -9,12 +9,14 @@ package asks the spec (``devices.get(kind).dist_backend``) and never compares a 
 and ``titan/`` a comparison with "cpu" / "cuda" / "neuron" fails tests/test_stack.py.
 
 **A new device is one module and one YAML file**: ``qwen3_research/devices/<kind>.py`` that builds its
-``DeviceSpec`` and calls ``registry.register`` (plus one import line below), and ``conf/device/<kind>.yaml``
-(``type: <kind>``). tests/test_device.py registers a toy kind from one module and checks the registry and the
+``DeviceSpec`` and calls ``registry.register`` (``registry.discover`` imports it: nothing lists it), and
+``conf/device/<kind>.yaml`` (``type: <kind>``). tests/test_device.py registers a toy kind from one module and checks the registry and the
 config's validation accept it.
 
 - ``device_kind(requested="auto", argv=None)``: the kind a run uses, asked without importing torch (the CPU
   allocator before anything loads, the config's auto settings); ``argv``'s ``device=`` / ``device.type=`` wins.
+- ``get(kind)`` (a ConfigError naming the known kinds when none registers it), ``find(kind)`` (None then),
+  ``kinds()`` (auto order): the registry.
 - ``resolve_device_type(requested)``: the torch-checked kind (auto: the first ``available`` kind; an explicit
   kind that is not available here is a ConfigError with its fix).
 - ``reference_peak(kind, "bf16" | "fp32" | "tf32")``: the kind's reference dense peak per rank (torchtitan's GPU
@@ -39,8 +41,8 @@ from qwen3_research.devices.lnc import (LNC_DEFAULT_NEURON, LNC_ENV, NUM_CORES_E
 from qwen3_research.devices.neuron import NEURON_INSTALL, TRN2_CORE_PEAK, neuron_environment
 from qwen3_research.devices.neuron import available as neuron_available
 from qwen3_research.devices.peaks import cached_cpu_peak, measure_matmul_peak, raise_cpu_peak
-from qwen3_research.devices.registry import AUTO, REGISTRY, get, kinds, register
-from qwen3_research.devices.spec import Check, DeviceSpec, DoctorContext
+from qwen3_research.devices.registry import AUTO, REGISTRY, find, get, kinds, register
+from qwen3_research.devices.spec import Check, DeviceSpec
 from qwen3_research.errors import ConfigError
 
 DEVICE_KEYS = ("device", "device.type")  # the command-line keys that choose the device

@@ -75,7 +75,8 @@ class NativeQwen3(ModelBackend):
             what = (f"model.init_from's max_position_embeddings" if cfg.init_from
                     else f"model.flavor={self.flavor_name}'s RoPE length")
             raise ConfigError(f"data.seq_len={seq_len} exceeds {what} {self.flavor.max_seq_len}")
-        if cfg.attention == "flex" and not (device.type in devices.kinds() and devices.get(device.type).flex_attention):
+        spec = devices.find(device.type)
+        if cfg.attention == "flex" and not (spec is not None and spec.flex_attention):
             raise ConfigError(
                 f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
                 f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
