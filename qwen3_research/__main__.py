@@ -7,11 +7,14 @@ to Hydra; each point validates itself and a bad point fails alone.
 
 from __future__ import annotations
 
+BEFORE_TRAINING = "before training started; nothing was written"  # what a Ctrl-C while importing says
+
 if __name__ == "__main__":  # Ctrl-C / SIGTERM before main() runs: 128+signal, one line, no traceback
     from qwen3_research import allocator, startup
 
     allocator.ensure("qwen3_research")  # first: may re-exec this command with mimalloc preloaded (allocator.py)
-    startup.exit_at_once_while_importing("before training started; nothing was written")
+    # numpy_first=False: numpy, then torch, load once the config composed (preflight), so a config error loads neither
+    startup.exit_at_once_while_importing(BEFORE_TRAINING, numpy_first=False)
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -31,7 +34,7 @@ from qwen3_research.launch.slurm import preflight as slurm_preflight
 from qwen3_research.launch.sweep import (parse_overrides, prepare_point, stop_sweep, swept_keys_of_this_sweep,
                                          wandb_group)
 from qwen3_research.signals import Interrupted, Terminated, raise_terminated, signal_number
-from qwen3_research.startup import quiet_libraries
+from qwen3_research.startup import import_numpy_before_torch, quiet_libraries
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -146,6 +149,7 @@ def preflight(overrides: list[str]) -> str | None:
     global _RESOLVED
     try:
         composed = compose(overrides, return_hydra_config=True)
+        import_numpy_before_torch(BEFORE_TRAINING)  # the config composed: torch may load from here (resolve)
         cfg = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
         _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
         try:
@@ -289,6 +293,7 @@ def _main() -> None:
             sys.argv += _launch().torchrun_overrides(overrides, run_dir)
         elif run_dir is not None and not _names_run_dir(overrides):  # Hydra's run uses the dir checked (${now:})
             sys.argv.append(f"hydra.run.dir={json.dumps(run_dir)}")
+    import_numpy_before_torch(BEFORE_TRAINING)  # a sweep or a Hydra flag: before Hydra runs the task (torch)
     _task()
 
 

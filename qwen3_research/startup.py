@@ -23,27 +23,50 @@ NOISE = (
 )
 
 
-def exit_at_once_while_importing(after: str) -> None:
+def exit_at_once_while_importing(after: str, *, numpy_first: bool = True) -> None:
     """Until the command installs its own handlers, Ctrl-C or SIGTERM ends the process at once: exit 128+signal
     and one line, ``interrupted by SIGINT <after>``.
 
     Nothing has been written yet at this point, so there is nothing to clean up; a KeyboardInterrupt
-    instead could land inside a library's import and be swallowed there. numpy is imported here, under
-    this handler, because torch's C start-up imports it and clears any error raised inside that import,
-    a KeyboardInterrupt included (torch/csrc/utils/tensor_numpy.cpp, ``is_numpy_available``:
-    ``PyErr_Clear`` after ``_import_array`` fails): the Ctrl-C was lost and numpy left half-imported, so
-    the run either went on as if nothing happened or failed later with "module 'numpy' has no attribute
-    'matrix'" and a traceback. Imported first, numpy is complete before torch asks for it.
+    instead could land inside a library's import and be swallowed there. ``numpy_first``: numpy is imported
+    here, under this handler (``import_numpy_before_torch``), for a command whose next imports load torch; the
+    run's command (``__main__``) passes False and imports it once its config is valid, so that a config error
+    never loads numpy (~50 ms of its ~0.45 s).
     """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _exit_at_once(after))
+    if numpy_first:
+        import_numpy_before_torch()
 
+
+def _exit_at_once(after: str):
     def _exit(signum, frame):
         sep = "" if after.startswith(";") else " "  # run_tool's "; <what stopped>", as its own line reads
         print(f"interrupted by {signal.Signals(signum).name}{sep}{after}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _exit)
-    import numpy  # noqa: F401  (see above)
+    return _exit
+
+
+def import_numpy_before_torch(after: str | None = None) -> None:
+    """Import numpy from Python before anything imports torch. torch's C start-up imports numpy and clears any
+    error raised inside that import, a KeyboardInterrupt included (torch/csrc/utils/tensor_numpy.cpp,
+    ``is_numpy_available``: ``PyErr_Clear`` after ``_import_array`` fails): the Ctrl-C was lost and numpy left
+    half-imported, so the run either went on as if nothing happened or failed later with "module 'numpy' has no
+    attribute 'matrix'" and a traceback. Imported first, numpy is complete before torch asks for it.
+
+    ``after``: while it imports, Ctrl-C or SIGTERM ends the process at once with that line (as
+    ``exit_at_once_while_importing``), and the handlers in place before are put back afterwards."""
+    if "numpy" in sys.modules:
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if after is not None else {}
+    try:
+        for s in before:
+            signal.signal(s, _exit_at_once(after))
+        import numpy  # noqa: F401  (see above)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def run_tool(main, stopped: str) -> int:

@@ -733,6 +733,9 @@ LIGHT_SET = ("qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.d
 # cannot hold (resolve_run checks them before its torch-using halves -- kernels, checkpoints -- load).
 LIGHT_CONFIG_ERRORS = (["training.stepz=1"], ["model=nope"], ["parallelism.tp=3", "parallelism.nproc_per_node=2"])
 REPORTED_CONFIG_ERRORS: tuple = ()
+# Errors Hydra's compose finds: they exit before numpy loads too (``__main__`` imports it once the config composed,
+# startup.import_numpy_before_torch: ~50 ms of a ~0.45 s config error).
+COMPOSE_ERRORS = (["training.stepz=1"], ["model=nope"])
 NOT_AT_START = ("torch", "torchtitan", "transformers")
 
 
@@ -775,7 +778,8 @@ def first_import_chain(stderr: str, roots: tuple[str, ...]) -> list[str]:
 def test_the_light_set_loads_no_torch():
     """Each entry point and what a config error needs, imported alone in a fresh process: torch, torchtitan and
     transformers are not in sys.modules. And a config error (``training.stepz=1``, ``model=nope``) exits 2 with
-    one line without importing torch (every module each of its processes imports is traced)."""
+    one line without importing torch (every module each of its processes imports is traced); one that composing
+    finds, without importing numpy either."""
     from tests.conftest import cli_env
 
     env = cli_env(PYTHONPATH=str(ROOT))
@@ -797,6 +801,9 @@ def test_the_light_set_loads_no_torch():
         assert "qwen3_research.config" in traced and "omegaconf" in traced  # the trace covers the composing process
         assert code == 2 and len(message) == 1 and message[0].startswith("config error: "), message
         assert heavy == []
+    numpy_loaded = {" ".join(o): "numpy" in errors[" ".join(o)][1] for o in COMPOSE_ERRORS}
+    print(f"  numpy loaded by a compose error: {numpy_loaded}")
+    assert not any(numpy_loaded.values()), numpy_loaded
 
 
 def test_the_issue32_scans_can_fail(tmp_path):
