@@ -441,6 +441,40 @@ def test_weak_case_is_one_line(trained, base_model, tmp_path, case):
     print(f"{case}: exit {proc.returncode}: {got[0]}")
 
 
+SIGINT_AFTER_EXPORT_MKDIR = '''
+import os, pathlib, signal
+
+_mkdir = pathlib.Path.mkdir
+
+
+def mkdir(self, *args, **kwargs):
+    """Ctrl-C the moment the export's temporary directory exists (once): the next bytecode raises it."""
+    _mkdir(self, *args, **kwargs)
+    if self.name.endswith(".tmp-export") and not os.path.exists(os.environ["MARKER"]):
+        open(os.environ["MARKER"], "w").close()
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+pathlib.Path.mkdir = mkdir
+'''
+
+
+def test_ctrl_c_right_after_the_export_makes_its_directory_leaves_nothing(trained, tmp_path):
+    """The temporary export directory was made before the ``try`` that removes it on any exception: a Ctrl-C in
+    between (the full suite's ``export-ctrl-c`` case once polled into it) left ``.hf.tmp-export`` behind. The
+    signal is sent by a hook right after that ``mkdir``, not by a timer."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AFTER_EXPORT_MKDIR)
+    marker, out = tmp_path / "fired", tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", EXPORT, str(trained[0] / "checkpoints"), str(out)], cwd=ROOT,
+                          env=cli_env(PYTHONPATH=str(hook), MARKER=str(marker)), capture_output=True, text=True,
+                          timeout=300)
+    assert marker.exists(), "the hook never saw the export's mkdir"
+    one_line(proc, 130, "interrupted by SIGINT; nothing was exported (no partial files are left")
+    assert not (tmp_path / ".hf.tmp-export").exists() and not out.exists()
+
+
 def test_a_checkpointed_run_prints_no_library_noise(trained):
     """torch's "torch.distributed is disabled … single process" UserWarning (with its source line, on every save)
     and torchtitan's "[root][INFO] - Total parameter count" (Hydra's console handler on the root logger) are gone;

@@ -28,9 +28,9 @@ def export_hf_backend(backend, out_dir: Path, *, tokenizer_json: Path, inputs, r
     if is_main:
         out_dir = Path(out_dir)
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-export")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
+        try:  # from the directory's creation: a Ctrl-C right after mkdir leaves nothing behind either
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
             with torch.device("meta"):
                 fresh = AutoModelForCausalLM.from_config(backend.config, dtype=torch.float32)
             fresh.load_state_dict(full, strict=False, assign=True)

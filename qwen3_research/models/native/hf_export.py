@@ -137,10 +137,10 @@ def export_native(backend, out_dir: Path, *, tokenizer_json: Path, eos_id: int |
     is_main = not is_distributed() or torch.distributed.get_rank() == 0
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-export")
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    try:
+    try:  # from the directory's creation: a Ctrl-C right after mkdir leaves nothing behind either
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         return _export_native(backend, out_dir, tmp, is_main, tokenizer_json=tokenizer_json, eos_id=eos_id,
                               inputs=inputs, reference_logits=reference_logits, compute_dtype=compute_dtype,
                               max_shard_size=max_shard_size)
