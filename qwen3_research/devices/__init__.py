@@ -10,8 +10,8 @@ and ``titan/`` a comparison with "cpu" / "cuda" / "neuron" fails tests/test_stac
 
 **A new device is one module and one YAML file**: ``qwen3_research/devices/<kind>.py`` that builds its
 ``DeviceSpec`` and calls ``registry.register`` (``registry.discover`` imports it: nothing lists it), and
-``conf/device/<kind>.yaml`` (``type: <kind>``). tests/test_device.py registers a toy kind from one module and checks the registry and the
-config's validation accept it.
+``conf/device/<kind>.yaml`` (``type: <kind>``). tests/test_device.py registers a toy kind from one module and
+checks the registry and the config's validation accept it.
 
 - ``device_kind(requested="auto", argv=None)``: the kind a run uses, asked without importing torch (the CPU
   allocator before anything loads, the config's auto settings); ``argv``'s ``device=`` / ``device.type=`` wins.

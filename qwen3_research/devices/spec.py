@@ -88,7 +88,7 @@ class DeviceSpec(NamedTuple):
     peak_flops: Callable[[Any, str, Any], float] = lambda dev, key, dtype: 0.0  # (dev, bf16|fp32|tf32, dtype)
     peak_dtype: Callable[[Any], str] = lambda dtype: "fp32"  # (torch dtype of an fp32 run) -> fp32 | tf32
     observed_peak: Callable[[Any, float], float] | None = None  # (dtype, reached FLOP/s) -> raised peak (cpu)
-    # -- the doctor (``doctor.DoctorContext`` in, rows out) -----------------------------------------------------------
+    # -- the doctor (``doctor.DoctorContext`` in, rows out) --------------------------------------------------------
     device_rows: Callable[..., list[Check]] = _no_rows  # the "device" row (MISSING: not usable here) and notes
     lnc_row: Callable[..., Check] = _lnc_not_applicable  # the "LNC / logical cores" row
     doctor_rows: Callable[..., list[Check]] = _no_rows  # what else the host needs (neuron: neuron_host's checks)
