@@ -28,7 +28,7 @@ issue 24). ``status()`` is what a process observes of its own allocator; every r
 (``device_facts[*].cpu_allocator``).
 
 Standard library only, and the torch-free ``devices`` package (which kind a command runs on, and whether that kind
-wants the CPU allocator: ``DeviceSpec.cpu_allocator_auto``): ``ensure`` runs before numpy or torch is imported.
+wants the CPU allocator: ``DeviceSpec.runs_on_host``): ``ensure`` runs before numpy or torch is imported.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def mimalloc_loaded() -> bool:
 def _wants_cpu_allocator(kind: str) -> bool:
     """Whether a command on ``kind`` gets mimalloc under auto (its spec says so; an unknown kind: no)."""
     spec = devices.find(kind)
-    return spec is not None and spec.cpu_allocator_auto
+    return spec is not None and spec.runs_on_host  # the kind computes on the host's CPU
 
 
 def _reexec_argv(module: str) -> list[str]:

@@ -306,7 +306,7 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     else:
         cap, source = capacity(rc, run.device_type, run.nproc_per_node)
         if spec.planning_table is not None:  # a GPU here: its own entry of torchtitan's peak table
-            gpu_peak = _gpu_peak_here()
+            gpu_peak = _gpu_peak_here(run.device_type)
     t0 = time.perf_counter()
     world = degrees.world_size
     ranks = []
@@ -333,8 +333,9 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     return plan
 
 
-def _gpu_peak_here() -> float | None:
-    return titan.gpu_peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+def _gpu_peak_here(kind: str) -> float | None:
+    name = devices.device_name(kind)  # None where no device of the kind is available here
+    return titan.gpu_peak_flops(name) if name is not None else None
 
 
 def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:

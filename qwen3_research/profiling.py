@@ -4,7 +4,8 @@
   (``trace_rank<r>.json``; opens in Perfetto, ui.perfetto.dev, and chrome://tracing).
 - ``profiling.memory_snapshot=true``: a memory snapshot per rank over the profiled steps (every step when
   ``profiling.steps`` is empty), and one when a step runs out of memory (``oom_*``):
-  cuda: the caching allocator's history, ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``
+  cuda: the caching allocator's history, ``torch.<type>.memory._record_memory_history`` / ``_dump_snapshot``
+  through ``devices.record_memory_history`` / ``dump_memory_snapshot``
   (``memory_snapshot_rank<r>.pickle``; drag it into pytorch.org/memory_viz);
   cpu: the CPU allocator keeps no history, so the torch profiler records every allocation and free
   (``profile_memory=True``) and this module writes them as a timeline (``memory_timeline_rank<r>.json``: time,
@@ -71,7 +72,7 @@ class Profiler:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.memory and self.spec.memory_snapshot == "allocator":  # cuda: the caching allocator's history
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            devices.record_memory_history(self.device_type, True)
             self.recording = True
         profiler_memory = self.memory and self.spec.memory_snapshot == "profiler"  # cpu: the profiler's events
         if self.trace or profiler_memory:
@@ -99,7 +100,7 @@ class Profiler:
         written = []
         if self.recording:
             path = self.dir / f"{prefix}memory_snapshot_rank{self.rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
+            devices.dump_memory_snapshot(self.device_type, path)
             written.append(path)
         prof, self.prof = self.prof, None
         if prof is not None:
@@ -120,7 +121,7 @@ class Profiler:
             self.prof.stop()
             self.prof = None
         if self.recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            devices.record_memory_history(self.device_type, False)
             self.recording = False
 
 

@@ -449,7 +449,7 @@ def check_device_settings(rc: RunConfig) -> RunConfig:
         raise ConfigError(f"device.type={requested!r} is not one of {sorted({devices.AUTO, *devices.kinds()})}")
     kind, spec = device_spec(requested)
     if requested != devices.AUTO and spec.refused_before_torch and not spec.present():
-        raise ConfigError(spec.refusal_prefix + spec.unavailable_reason())
+        raise ConfigError(spec.unavailable_reason())
     p = rc.profiling
     if p.neuron_device_profile is not None and spec.torch_profiler:
         raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "

@@ -290,7 +290,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
 
     optimizer, scheduler = build_optimizer(backend.model, cfg.optimizer, cfg.training.steps)
     backend.register_optimizer_hooks(optimizer, where.parallel_dims)
-    state = TrainState(backend.model, optimizer, scheduler, rank=where.rank)
+    state = TrainState(backend.model, optimizer, scheduler, rank=where.rank, device_type=where.device.type)
     return Step(run, where, tokenizer, data, layout, dp_rank, dp_size, eval_every, backend, kernel_plan, loss_scale,
                 routing, precision, autocast, compiled, cross_entropy, optimizer, scheduler, state,
                 fault=None if where.trace else cfg.training.fault)

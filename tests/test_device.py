@@ -14,7 +14,7 @@ import torch
 
 from qwen3_research import allocator, devices, titan
 from qwen3_research.devices import lnc as lnc_facts
-from qwen3_research.devices import neuron as neuron_spec
+from qwen3_research.devices import runtime as device_runtime
 from qwen3_research.errors import ConfigError
 from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
 
@@ -137,7 +137,7 @@ class TorchNeuronTestDouble:
 def _neuron_device(monkeypatch, double, lnc):
     monkeypatch.setattr(torch, "neuron", double, raising=False)
     # "neuron" is a torch device type only once torch_neuronx has registered it.
-    monkeypatch.setattr(neuron_spec, "_torch_device", lambda kind, index: torch.device("meta"))
+    monkeypatch.setattr(device_runtime, "_indexed", lambda kind, index: torch.device("meta"))
     monkeypatch.delenv(devices.LNC_ENV, raising=False)
     return devices.Device("neuron", 0, lnc)
 
@@ -215,6 +215,7 @@ def test_gpu_peak_reset_gives_each_run_its_own_peak(monkeypatch):
         state["peak"] = max(state["peak"], state["alloc"])
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)  # the counters are read after queued work
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["alloc"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: state["peak"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: state.update(peak=state["alloc"]))
@@ -315,9 +316,21 @@ SPEC = register(DeviceSpec(
     kind="toy", dist_backend="gloo", start_method="spawn", auto_order=1, present=lambda: PRESENT[0],
     available=lambda: True, visible=lambda: True, unavailable_reason=lambda: "", local_devices=lambda lnc: 3,
     default_precision="bf16", default_loss="full", compile_backend="eager", peaks={"bf16": 1e12, "fp32": 0.5e12},
-    torch_device=lambda rank: __import__("torch").device("cpu"), memory_bytes=lambda dev: (1 << 30, 2 << 30),
-    capacity_bytes=lambda dev: 8 << 30, peak_flops=lambda dev, key, dtype: SPEC.peaks[key],
+    torch_type="cpu", torch_device=lambda kind, rank: __import__("torch").device(kind),
+    memory=lambda dev: Counters(), peak_flops=lambda dev, key, dtype: SPEC.peaks[key],
 ))
+
+
+class Counters:  # the kind's own memory counters (DeviceSpec.memory)
+    def reset(self):
+        return "toy"
+
+    def current_and_peak(self):
+        return 1 << 30, 2 << 30
+
+    def capacity(self):
+        return 8 << 30
+
 PRESENT = [False]
 '''
 

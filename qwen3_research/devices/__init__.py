@@ -70,7 +70,7 @@ def resolve_device_type(requested: str, *, check: bool = True) -> str:
         return next(k for k in kinds() if (get(k).available() if check else get(k).visible()))
     spec = get(requested)
     if check and not spec.available():
-        raise ConfigError(spec.refusal_prefix + spec.unavailable_reason())
+        raise ConfigError(spec.unavailable_reason())
     return requested
 
 
@@ -120,7 +120,8 @@ def validate_only() -> bool:
     return os.environ.get(VALIDATE_ONLY_ENV) == "1"
 
 
-RUNTIME_NAMES = ("Device", "MemoryStats", "prepare_torchtitan", "after_sharding")
+RUNTIME_NAMES = ("Device", "MemoryStats", "prepare_torchtitan", "after_sharding", "device_module", "device_name",
+                 "rng_state", "set_rng_state", "record_memory_history", "dump_memory_snapshot")
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Mapping
 
 from qwen3_research.devices import host, peaks
 from qwen3_research.devices.registry import register
@@ -22,58 +23,75 @@ def _read_vm_hwm() -> int | None:
     return None
 
 
-def _torch_device(local_rank: int):
+def _torch_device(device_type: str, local_rank: int):
     import torch
 
-    return torch.device("cpu")
+    return torch.device(device_type)  # one CPU device, whatever the rank
 
 
-def _reset_peak_memory(dev) -> str:
-    # CPU peak memory: VmHWM, reset per run through /proc/self/clear_refs (Linux >= 4.0). Where that is refused,
-    # ru_maxrss, a whole-process figure: remember where it stood so a second run in the same process (a multirun
-    # point) does not inherit the first's peak.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-        dev._hwm_resettable = _read_vm_hwm() is not None
-    except OSError:
-        dev._hwm_resettable = False
-    dev._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    dev._sampled_peak = 0
-    return "VmHWM" if dev._hwm_resettable else "ru_maxrss baseline"
+class HostMemory:
+    """The process's resident memory as a device's memory (``DeviceSpec.memory``): current RSS and this run's peak.
+    The peak is VmHWM, reset per run through /proc/self/clear_refs (Linux >= 4.0); where that is refused, ru_maxrss,
+    a whole-process figure, remembered where it stood so a second run in the same process (a multirun point) does
+    not inherit the first's peak."""
 
+    def __init__(self, dev=None):
+        self.hwm_resettable = False
+        self.maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.sampled_peak = 0
 
-def _capacity_bytes(dev) -> int:
-    """The host's memory (its cgroup limit), shared by the ranks on it."""
-    return host.host_memory()[0] // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    def reset(self) -> str:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            self.hwm_resettable = _read_vm_hwm() is not None
+        except OSError:
+            self.hwm_resettable = False
+        self.maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.sampled_peak = 0
+        return "VmHWM" if self.hwm_resettable else "ru_maxrss baseline"
 
+    def capacity(self) -> int:
+        """The host's memory (its cgroup limit), shared by the ranks on it."""
+        return host.host_memory()[0] // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
-def _memory_bytes(dev) -> tuple[int, int]:
-    """Resident process memory: current, and this run's peak."""
-    import psutil
+    def current_and_peak(self) -> tuple[int, int]:
+        import psutil
 
-    rss = psutil.Process().memory_info().rss
-    dev._sampled_peak = max(dev._sampled_peak, rss)
-    hwm = _read_vm_hwm() if dev._hwm_resettable else None
-    if hwm is not None:
-        peak = hwm
-    else:
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        # A new process-wide peak was set during this run: it is this run's. Otherwise this run
-        # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
-        peak = maxrss if maxrss > dev._maxrss_at_start else dev._sampled_peak
-    return rss, max(peak, rss)
+        rss = psutil.Process().memory_info().rss
+        self.sampled_peak = max(self.sampled_peak, rss)
+        hwm = _read_vm_hwm() if self.hwm_resettable else None
+        if hwm is not None:
+            peak = hwm
+        else:
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+            # A new process-wide peak was set during this run: it is this run's. Otherwise this run
+            # stayed below an earlier one's peak and the best we know is the largest sampled RSS.
+            peak = maxrss if maxrss > self.maxrss_at_start else self.sampled_peak
+        return rss, max(peak, rss)
 
 
 def _peak_flops(dev, key: str, dtype) -> float:
     return peaks.cached_cpu_peak(dtype)
 
 
-def _measured_peak(key: str) -> float:
-    """A CPU has no datasheet peak here: its own matmul rate, measured once and cached (``peaks.cached_cpu_peak``).
-    Without bf16 units (AVX2-only) bf16 is emulated and ~100x slower; with AVX512-BF16 or AMX it is the faster one
-    (GUIDE §7)."""
-    return peaks.cached_cpu_peak(peaks.torch_dtype(key))
+class MeasuredPeaks(Mapping):
+    """A CPU has no datasheet peak here: its reference peaks (``DeviceSpec.peaks``) are its own matmul rate, measured
+    on first use and cached (``peaks.cached_cpu_peak``). Without bf16 units (AVX2-only) bf16 is emulated and ~100x
+    slower; with AVX512-BF16 or AMX it is the faster one (GUIDE §7)."""
+
+    KEYS = ("bf16", "fp32", "tf32")
+
+    def __getitem__(self, key: str) -> float:
+        if key not in self.KEYS:
+            raise KeyError(key)
+        return peaks.cached_cpu_peak(peaks.torch_dtype(key))
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
 
 
 def cpu_id() -> str:
@@ -130,20 +148,13 @@ SPEC = register(DeviceSpec(
     compile_backend="inductor",
     compile_default=_compile_default,
     compile_cache_facts=lambda probe: [cpu_id()],
-    runs_on_host=True,
-    torch_profiler=True,
+    runs_on_host=True,  # also: QWEN3_CPU_ALLOCATOR=auto preloads mimalloc for its runs (allocator.py)
     profiler_activities=("CPU",),
     # the CPU allocator keeps no history: the torch profiler records every allocation (profile_memory=True)
     memory_snapshot="profiler",
-    allocator="c10 DefaultCPUAllocator over the process's malloc (allocator.py: mimalloc or tuned glibc)",
-    cpu_allocator_auto=True,
-    gloo_sum_reduction=True,  # gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses to average
-    peak_source="measured here (peaks.cached_cpu_peak)",
-    measured_peak=_measured_peak,
+    peaks=MeasuredPeaks(),
     torch_device=_torch_device,
-    reset_peak_memory=_reset_peak_memory,
-    capacity_bytes=_capacity_bytes,
-    memory_bytes=_memory_bytes,
+    memory=HostMemory,
     peak_flops=_peak_flops,
     observed_peak=peaks.raise_cpu_peak,
     device_rows=_device_rows,

@@ -87,43 +87,18 @@ def tf32_enabled() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def _torch_device(local_rank: int):
+def _torch_device(device_type: str, local_rank: int):
     import torch
 
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def _synchronize(dev) -> None:
-    import torch
-
-    torch.cuda.synchronize(dev.torch_device)
-
-
-def _reset_peak_memory(dev) -> str:
-    import torch
-
-    torch.cuda.reset_peak_memory_stats(dev.torch_device)
-    return "cuda"
-
-
-def _capacity_bytes(dev) -> int:
-    import torch
-
-    return int(torch.cuda.get_device_properties(dev.torch_device).total_memory)
-
-
-def _memory_bytes(dev) -> tuple[int, int]:
-    import torch
-
-    return torch.cuda.memory_allocated(dev.torch_device), torch.cuda.max_memory_allocated(dev.torch_device)
+    torch.cuda.set_device(local_rank)  # later unindexed calls (NCCL's, the caching allocator's) use this GPU
+    return torch.device(device_type, local_rank)
 
 
 def _peak_flops(dev, key: str, dtype) -> float:
     import torch
 
     if dev._gpu_peak_table is not None:
-        bf16 = dev._gpu_peak_table(torch.cuda.get_device_name(dev.torch_device))
+        bf16 = dev._gpu_peak_table(dev.name())
     else:
         bf16 = peaks.measure_matmul_peak(dev.torch_device, torch.bfloat16)
     if key == "bf16":
@@ -211,8 +186,7 @@ SPEC = register(DeviceSpec(
     present=present,
     available=available,
     visible=available,  # torch.cuda.is_available() creates no CUDA context
-    refusal_prefix="device.type=cuda but torch.cuda.is_available() is False: ",
-    unavailable_reason=unavailable_reason,
+    unavailable_reason=lambda: "device.type=cuda but torch.cuda.is_available() is False: " + unavailable_reason(),
     local_devices=_local_devices,
     default_precision="none",
     default_loss="full",  # the chunked loss has not been measured faster on a GPU (README, "Config reference")
@@ -221,18 +195,11 @@ SPEC = register(DeviceSpec(
     compile_cache_facts=_compile_cache_facts,
     planning_table=PLANNED_GPUS,
     flex_attention=True,  # FlexAttention's training kernels (backward) exist on cuda only
-    torch_profiler=True,
     profiler_activities=("CPU", "CUDA"),
     memory_snapshot="allocator",  # torch.cuda.memory._record_memory_history / _dump_snapshot
-    allocator="CUDA caching allocator (torch.cuda.memory)",
-    rng_state_key="cuda",
+    # torchtitan's table (titan.gpu_peak_flops) for bf16; NVIDIA datasheets for fp32; TF32 half bf16
     peaks=REFERENCE_PEAKS,
-    peak_source="torchtitan's table (titan.gpu_peak_flops) for bf16; NVIDIA datasheets for fp32; TF32 half bf16",
     torch_device=_torch_device,
-    synchronize=_synchronize,
-    reset_peak_memory=_reset_peak_memory,
-    capacity_bytes=_capacity_bytes,
-    memory_bytes=_memory_bytes,
     peak_flops=_peak_flops,
     peak_dtype=lambda dtype: "tf32" if tf32_enabled() else "fp32",
     device_rows=_device_rows,

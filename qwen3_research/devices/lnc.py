@@ -40,8 +40,8 @@ def resolve_lnc(configured: int | None, device_type: str, env=None) -> int | Non
         )
     lnc = configured if configured is not None else from_env
     spec = REGISTRY.get(device_type)
-    if lnc is None and spec is not None and spec.logical_cores:
-        lnc = LNC_DEFAULT_NEURON
+    if lnc is None and spec is not None:
+        lnc = spec.default_lnc
     return lnc
 
 

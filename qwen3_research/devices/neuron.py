@@ -82,49 +82,8 @@ def neuron_environment(p, run_dir: Path) -> dict[str, str]:
     return env
 
 
-def _torch_device(kind: str, index: int):
-    """The torch.device of a rank ("neuron" exists once torch_neuronx has registered it)."""
-    import torch
-
-    return torch.device(kind, index)
-
-
-def _rank_device(local_rank: int):
-    return _torch_device("neuron", local_rank)
-
-
-def _synchronize(dev) -> None:
-    import torch
-
-    torch.neuron.synchronize(dev.local_rank)
-
-
-def _reset_peak_memory(dev) -> str:
-    import torch
-
-    # torch_neuronx/memory.py: reset_peak_memory_stats(device: int | torch.device | None)
-    torch.neuron.reset_peak_memory_stats(dev.local_rank)
-    return "neuron"
-
-
-def _capacity_bytes(dev) -> int:
-    import torch
-
-    # torch_neuronx/__init__.py: get_device_properties(device).total_memory, bytes of the logical core's HBM
-    # (~24 GiB at LNC=2 on trn2: 96 GiB per 8-core chip). The index is the rank's PyTorch device index
-    # (= local rank; NeuronDevice.cpp get_vnc_id).
-    return int(torch.neuron.get_device_properties(dev.local_rank).total_memory)
-
-
-def _memory_bytes(dev) -> tuple[int, int]:
-    import torch
-
-    _synchronize(dev)  # the counters change only once queued work has run
-    return torch.neuron.memory_allocated(dev.local_rank), torch.neuron.max_memory_allocated(dev.local_rank)
-
-
 def _peak_flops(dev, key: str, dtype) -> float:
-    return TRN2_CORE_PEAK["bf16" if key == "bf16" else "fp32"] * dev.lnc
+    return TRN2_CORE_PEAK["bf16" if key == "bf16" else "fp32"] * (dev.lnc or lnc_facts.LNC_DEFAULT_NEURON)
 
 
 def _package_version(name: str) -> str:
@@ -198,6 +157,7 @@ SPEC = register(DeviceSpec(
     unavailable_reason=unavailable_reason,
     local_devices=_local_devices,
     prepare_launch=_prepare_launch,
+    default_lnc=lnc_facts.LNC_DEFAULT_NEURON,  # trn2/trn3's runtime default
     # bf16 as AWS's Trainium recipes (torchtitan's mixed_precision_param default, bfloat16, in
     # parmoham-aws/test-repo-parmoham docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml)
     default_precision="bf16",
@@ -206,20 +166,12 @@ SPEC = register(DeviceSpec(
     compile_default=None,  # not measured compiled
     compile_cache_facts=lambda probe: [f"neuronxcc{_package_version('neuronx-cc')}"],
     kernels_by_shape=True,  # a plan traces the NKI kernels by their documented output shapes (no device here)
-    logical_cores=True,
     # AWS says not to combine the runtime's environment-variable capture with torch.profiler: the runtime captures
-    torch_profiler=False,
     profiler_activities=(),
     memory_snapshot=None,
     profiler_environment=neuron_environment,
-    allocator="the Neuron runtime's HBM allocator (torch.neuron memory stats)",
-    peaks={k: v * lnc_facts.LNC_DEFAULT_NEURON for k, v in TRN2_CORE_PEAK.items()},  # one LNC=2 rank
-    peak_source="AWS: 157e12 bf16 per LNC=2 rank (TorchTitan.diff), 181e12 fp32 per 8-core trn2 chip",
-    torch_device=_rank_device,
-    synchronize=_synchronize,
-    reset_peak_memory=_reset_peak_memory,
-    capacity_bytes=_capacity_bytes,
-    memory_bytes=_memory_bytes,
+    # one LNC=2 rank. AWS: 157e12 bf16 per LNC=2 rank (TorchTitan.diff), 181e12 fp32 per 8-core trn2 chip
+    peaks={k: v * lnc_facts.LNC_DEFAULT_NEURON for k, v in TRN2_CORE_PEAK.items()},
     peak_flops=_peak_flops,
     device_rows=_device_rows,
     lnc_row=_lnc_row,

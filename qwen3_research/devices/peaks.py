@@ -26,8 +26,7 @@ def measure_matmul_peak(device, dtype, n: int = 1024, seconds: float = 0.4) -> f
     while best == 0.0 or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        torch.get_device_module(device).synchronize(device)  # asynchronous devices: wait for the product
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 

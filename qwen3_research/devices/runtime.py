@@ -6,13 +6,82 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 from dataclasses import dataclass
 
 import torch
 
-from qwen3_research.devices.lnc import LNC_DEFAULT_NEURON, LNC_ENV, resolve_lnc
+from qwen3_research.devices.lnc import LNC_ENV, resolve_lnc
 from qwen3_research.devices.registry import get
+
+
+def device_module(kind: str):
+    """``torch.<type>`` of a device kind (``torch.cuda``; ``torch.neuron`` once torch_neuronx registered it;
+    ``torch.cpu``): what ``torch.get_device_module(type)`` returns, as torchtitan's ``device_module``. Looked up by
+    name: ``get_device_module`` first parses a device string (refused for a type whose backend has not registered
+    yet) and caches its answer."""
+    return getattr(torch, get(kind).device_type)
+
+
+class TorchMemory:
+    """A device's memory counters through its torch module (cuda, neuron: ``memory_allocated`` and the rest);
+    a kind whose module has none (cpu) builds its own (``DeviceSpec.memory``)."""
+
+    def __init__(self, dev: "Device"):
+        self.module, self.index, self.kind = device_module(dev.type), dev.local_rank, dev.type
+
+    def reset(self) -> str:
+        self.module.reset_peak_memory_stats(self.index)
+        return self.kind  # what reset the peak: cuda | neuron
+
+    def current_and_peak(self) -> tuple[int, int]:
+        self.module.synchronize(self.index)  # neuron's counters change only once queued work has run
+        return self.module.memory_allocated(self.index), self.module.max_memory_allocated(self.index)
+
+    def capacity(self) -> int:
+        # neuron: bytes of the logical core's HBM (~24 GiB at LNC=2 on trn2); the index is the rank's device index
+        return int(self.module.get_device_properties(self.index).total_memory)
+
+
+def rng_state(kind: str) -> list[int] | None:
+    """The device generator's state, where the kind's torch module has one of its own (cuda, neuron; a CPU-backed
+    kind's generator is torch's, which the checkpoint holds anyway); None otherwise or before it is initialised."""
+    module = device_module(kind)
+    if not hasattr(module, "get_rng_state") or not module.is_available():
+        return None
+    if hasattr(module, "is_initialized") and not module.is_initialized():
+        return None  # asking would start a runtime this process has not used
+    return module.get_rng_state().tolist()
+
+
+def set_rng_state(kind: str, state: list[int]) -> None:
+    """Restore what ``rng_state`` saved (a state from another device type is the caller's to keep away)."""
+    module = device_module(kind)
+    if hasattr(module, "set_rng_state") and module.is_available():
+        module.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+
+
+def record_memory_history(kind: str, enabled: bool) -> None:
+    """Start (or stop) the device allocator's history (``torch.<type>.memory._record_memory_history``), for
+    kinds whose spec says ``memory_snapshot="allocator"``."""
+    memory = device_module(kind).memory
+    if enabled:
+        memory._record_memory_history(max_entries=100_000)
+    else:
+        memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(kind: str, path) -> None:
+    """Write the allocator's history (``torch.<type>.memory._dump_snapshot``: a .pickle for pytorch.org/memory_viz)."""
+    device_module(kind).memory._dump_snapshot(str(path))
+
+
+def device_name(kind: str, index: int = 0) -> str | None:
+    """Device ``index``'s name as its torch module reports it (``get_device_name``: the key of torchtitan's GPU peak
+    table), None where the module has none or no device of the kind is available here."""
+    module = device_module(kind)
+    if not hasattr(module, "get_device_name") or not module.is_available():
+        return None
+    return module.get_device_name(index)
 
 
 def prepare_torchtitan(device_type: str) -> None:
@@ -25,6 +94,12 @@ def prepare_torchtitan(device_type: str) -> None:
     import torch._utils as tu
 
     tu._get_available_device_type = lambda: device_type  # type: ignore[assignment]
+
+
+def _indexed(device_type: str, local_rank: int):
+    """A rank's torch.device when its spec builds none: the type at the rank's index (neuron: ``torch.device("neuron",
+    local_rank)``, a type once torch_neuronx has registered it)."""
+    return torch.device(device_type, local_rank)
 
 
 @dataclass
@@ -48,16 +123,17 @@ class Device:
         self.spec = get(device_type)
         self._gpu_peak_table = gpu_peak_table
         self.local_rank = local_rank
-        self.torch_device = self.spec.torch_device(local_rank)
-        # Off neuron the LNC only matters to kernel requirement checks; keep the trn2 default there.
-        self.lnc = resolve_lnc(lnc, device_type) or LNC_DEFAULT_NEURON
+        self.torch_device = (self.spec.torch_device or _indexed)(self.spec.device_type, local_rank)
+        # None on a kind without logical cores unless device.lnc / NEURON_LOGICAL_NC_CONFIG says one
+        self.lnc = resolve_lnc(lnc, device_type)
         self._peak: dict[str, float] = {}
         self._capacity: int | None = None
-        # what the cpu spec's peak-memory tracking keeps between calls (VmHWM, or ru_maxrss and sampled RSS)
-        self._hwm_resettable = False
-        self._maxrss_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self._sampled_peak = 0
+        self._memory = (self.spec.memory or TorchMemory)(self)  # the counters, and what a kind keeps between calls
         self.peak_reset = "never"  # how this run's peak was last reset: cuda | neuron | VmHWM | ru_maxrss baseline
+
+    def name(self) -> str:
+        """This rank's device name (``torch.<type>.get_device_name``)."""
+        return device_module(self.type).get_device_name(self.local_rank)
 
     # -- distributed ------------------------------------------------------------------
     @property
@@ -67,29 +143,29 @@ class Device:
     # -- precision --------------------------------------------------------------------
     def autocast(self, mixed_precision: str):
         if mixed_precision == "bf16":
-            return torch.autocast(device_type=self.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.spec.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     # -- timing and memory ------------------------------------------------------------
     def synchronize(self) -> None:
-        self.spec.synchronize(self)
+        device_module(self.type).synchronize(self.local_rank)  # torch.cpu's is a no-op
 
     def reset_peak_memory(self) -> None:
         """Start this run's peak-memory counter (call at the start of every run: the device
         counters are process-wide, and a sweep runs several points in one process)."""
-        self.peak_reset = self.spec.reset_peak_memory(self)
+        self.peak_reset = self._memory.reset()
 
     def capacity_bytes(self) -> int:
         """Memory one rank can use: HBM of this rank's (logical) core / GPU; on cpu the host RAM (or its cgroup
         limit) divided among the ranks on this host."""
         if self._capacity is None:
-            self._capacity = self.spec.capacity_bytes(self)
+            self._capacity = self._memory.capacity()
         return self._capacity
 
     def memory(self) -> MemoryStats:
         """HBM on cuda/neuron; resident process memory (current, peak) and host RAM on cpu."""
         gib = 1024**3
-        current, peak = self.spec.memory_bytes(self)
+        current, peak = self._memory.current_and_peak()
         return MemoryStats(current / gib, peak / gib, self.capacity_bytes() / gib)
 
     # -- peak FLOP/s for MFU -----------------------------------------------------------
@@ -127,8 +203,8 @@ class Device:
 
 
 def after_sharding(device: Device, model: torch.nn.Module) -> None:
-    """CPU/gloo workaround: gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses to average."""
-    if not get(device.type).gloo_sum_reduction:
+    """gloo workaround: gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses to average (a backend's fact, not a kind's)."""
+    if device.dist_backend != "gloo":
         return
     from torch.distributed.fsdp import FSDPModule
 

@@ -34,15 +34,18 @@ def _lnc_not_applicable(ctx) -> Check:
 
 
 class DeviceSpec(NamedTuple):
-    """One device kind (``device.type``). Every ``Callable`` takes what its docstring line says; the runtime ``Device``
-    (``devices.runtime``) passes itself where a field takes ``dev``.
+    """One device kind (``device.type``): what differs between kinds, as values and small functions. What torch
+    abstracts for every device type (synchronize, memory counters, the generator's state, the device name, the
+    allocator's history) is not here: ``devices.runtime`` asks ``torch.get_device_module`` for it (as torchtitan's
+    ``device_module``), for the torch device type ``torch_type`` names. A kind's own state (the CPU's peak-RSS
+    bookkeeping) is the object its ``memory`` builds; the runtime ``Device`` passes itself where a field takes ``dev``.
 
     Immutable, built with keywords. A ``NamedTuple`` rather than a frozen dataclass: the CPU allocator asks the
     registry for the device kind before its re-exec (``allocator.py``), so this class is built in every command's
-    first process, where ``dataclasses`` (with ``inspect``) and a 60-field generated ``__init__`` cost ~15 ms of a
-    config error's ~0.45 s (``benchmarks/bench_startup.py``)."""
+    first process, where ``dataclasses`` (with ``inspect``) and a generated ``__init__`` cost ~15 ms of a config
+    error's ~0.45 s (``benchmarks/bench_startup.py``)."""
 
-    kind: str  # the device.type value and torch's device type
+    kind: str  # the device.type value
     # -- launching -----------------------------------------------------------------------------------------
     dist_backend: str  # torch.distributed backend: gloo | nccl | neuron
     start_method: str  # how a worker group starts: fork (nothing device-side to inherit) | spawn (runtimes not fork-safe)
@@ -50,11 +53,12 @@ class DeviceSpec(NamedTuple):
     present: Callable[[], bool]  # torch-free: this host has the kind (auto picks it)
     available: Callable[[], bool]  # torch-checked: a run on this kind can start here (may import its runtime)
     visible: Callable[[], bool]  # torch-checked without importing or starting the kind's runtime (a launching parent)
-    unavailable_reason: Callable[[], str]  # why ``available`` is False, and the fix (one line)
+    unavailable_reason: Callable[[], str]  # why ``available`` is False, and the fix (one line: a refusal's message)
     local_devices: Callable[[int | None], int]  # devices of this host at an LNC (nproc_per_node=-1)
+    torch_type: str = ""  # torch's device type and ``torch.<type>`` module ("": the kind; a toy kind backed by cpu)
     refused_before_torch: bool = False  # ``present()`` is exact: validation refuses device.type=<kind> without torch
-    refusal_prefix: str = ""  # what a refused device.type=<kind> says before ``unavailable_reason``
     prepare_launch: Callable[[int], None] = _nothing  # (world_size) before any worker or runtime starts
+    default_lnc: int | None = None  # kinds with logical cores (LNC, NEURON_LOGICAL_NC_CONFIG): the LNC when unset
     # -- what auto settings become -------------------------------------------------------------------------
     default_precision: str = "none"  # training.mixed_precision=auto: bf16 | none
     default_loss: str = "full"  # training.loss=auto: chunked | full
@@ -63,28 +67,18 @@ class DeviceSpec(NamedTuple):
     # (compile.enable=auto on?, reason); None: off, not measured compiled
     compile_cache_facts: Callable[[bool], list[str]] = lambda probe: []  # cache-key parts (torch, driver, compiler)
     # -- facts ---------------------------------------------------------------------------------------------
-    runs_on_host: bool = False  # its memory is the host's RAM (shared by the ranks on a host), the CPU itself
+    runs_on_host: bool = False  # its memory is the host's RAM and its compute the CPU (the CPU allocator applies)
     planning_table: dict[str, tuple[float, float]] | None = None  # name -> (GiB, dense bf16 FLOP/s): planned without one
     kernels_by_shape: bool = False  # a plan for it traces its kernels by their documented output shapes
     flex_attention: bool = False  # FlexAttention trains here (forward and backward kernels)
-    logical_cores: bool = False  # LNC (NEURON_LOGICAL_NC_CONFIG) applies to it
-    torch_profiler: bool = True  # torch.profiler traces it (neuron: the runtime's own capture instead)
-    profiler_activities: tuple[str, ...] = ("CPU",)  # torch.profiler.ProfilerActivity names
+    profiler_activities: tuple[str, ...] = ("CPU",)  # torch.profiler.ProfilerActivity names; (): no torch.profiler
     memory_snapshot: str | None = None  # how ``profiling.memory_snapshot`` records: allocator | profiler | None
     profiler_environment: Callable[..., dict[str, str]] | None = None  # (ProfilingConfig, run_dir) -> runtime's env
-    allocator: str = ""  # what allocates its tensors (reports; the CPU allocator choice is ``allocator.py``'s)
-    cpu_allocator_auto: bool = False  # QWEN3_CPU_ALLOCATOR=auto preloads mimalloc for runs on this kind
-    gloo_sum_reduction: bool = False  # FSDP2 must sum (gloo has no PREMUL_SUM): set_force_sum_reduction_for_comms
-    rng_state_key: str | None = None  # the checkpoint's RNG key for the device generator (None: no device generator)
     peaks: Mapping[str, float] = MappingProxyType({})  # reference dense peak FLOP/s per rank by dtype key
-    peak_source: str = ""  # where ``peaks`` come from
-    measured_peak: Callable[[str], float] | None = None  # (dtype key) -> a measured peak where ``peaks`` has none
     # -- runtime (the Device passes itself as ``dev``) ------------------------------------------------------
-    torch_device: Callable[[int], Any] = _nothing  # (local_rank) -> torch.device; sets the current device
-    synchronize: Callable[[Any], None] = _nothing  # (dev)
-    reset_peak_memory: Callable[[Any], str] = lambda dev: "never"  # (dev) -> how the peak was reset
-    capacity_bytes: Callable[[Any], int] = lambda dev: 0  # (dev) -> bytes one rank may use
-    memory_bytes: Callable[[Any], tuple[int, int]] = lambda dev: (0, 0)  # (dev) -> (current, peak) bytes
+    torch_device: Callable[[str, int], Any] | None = None  # (torch_type, local_rank) -> torch.device; None: indexed
+    memory: Callable[[Any], Any] | None = None  # (dev) -> the kind's own memory counters (``runtime.TorchMemory``'s
+    # reset / current_and_peak / capacity); None: torch's device module's counters
     peak_flops: Callable[[Any, str, Any], float] = lambda dev, key, dtype: 0.0  # (dev, bf16|fp32|tf32, dtype)
     peak_dtype: Callable[[Any], str] = lambda dtype: "fp32"  # (torch dtype of an fp32 run) -> fp32 | tf32
     observed_peak: Callable[[Any, float], float] | None = None  # (dtype, reached FLOP/s) -> raised peak (cpu)
@@ -96,11 +90,23 @@ class DeviceSpec(NamedTuple):
     verify_overrides: Callable[[int | None], list[str]] = lambda lnc: ["data.seq_len=32", "data.batch_size=2"]
     doctor_one_process: bool = False  # ``doctor --run`` runs each check as one process (one core each)
 
+    @property
+    def torch_profiler(self) -> bool:
+        """torch.profiler traces it (neuron: no activities, the runtime's own capture instead)."""
+        return bool(self.profiler_activities)
+
+    @property
+    def logical_cores(self) -> bool:
+        """LNC (NEURON_LOGICAL_NC_CONFIG) applies to it."""
+        return self.default_lnc is not None
+
+    @property
+    def device_type(self) -> str:
+        """torch's device type (``torch.device(...).type``, ``torch.get_device_module``'s key)."""
+        return self.torch_type or self.kind
+
     def reference_peak(self, dtype: str) -> float:
         """The kind's reference dense peak FLOP/s per rank for ``dtype`` (bf16 | fp32 | tf32); KeyError if none."""
-        if dtype not in self.peaks and self.measured_peak is not None:
-            return self.measured_peak(dtype)
         if dtype not in self.peaks:
             raise KeyError(f"device {self.kind} has no reference {dtype} peak (it has {sorted(self.peaks) or 'none'})")
         return self.peaks[dtype]
-

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qwen3_research import devices
 from qwen3_research.metrics import StepTimer
 
 
@@ -47,6 +48,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
     rank: int = 0  # whose random generators ``rng_rank<R>`` holds
+    device_type: str | None = None  # the run's device kind: its own generator (cuda, neuron) is checkpointed too
     step: int = 0  # optimizer steps done (skipped ones included); also the data position (data.train_batch)
     skipped_steps: list[int] = field(default_factory=list)  # steps skipped under training.nan_policy=skip
     final_loss: float | None = None  # the last logged training loss
@@ -74,7 +76,7 @@ class TrainState:
             "optim": get_optimizer_state_dict(unwrap(self.model), self.optimizer),
             "scheduler": _to_json_bytes(self.scheduler.state_dict()),
             "progress": _to_json_bytes({"step": self.step, **self.progress()}),
-            self.rng_key: _rng_state(),
+            self.rng_key: _rng_state(self.device_type),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,7 +95,7 @@ class TrainState:
         if progress.get("timer"):
             self.timer.load(progress["timer"])
         if self.rng_key in state:
-            _set_rng_state(state[self.rng_key])
+            _set_rng_state(state[self.rng_key], self.device_type)
 
 
 def _to_json_bytes(obj) -> bytes:
@@ -104,27 +106,28 @@ def _from_json_bytes(blob: bytes):
     return json.loads(bytes(blob).decode())
 
 
-CUDA_RNG = "cuda"  # the checkpoint's key of the CUDA generator's state (a name checkpoints keep, not a device test)
-
-
-def _rng_state() -> bytes:
+def _rng_state(device_type: str | None = None) -> bytes:
+    """Python's, numpy's and torch's generators, and the device's own where it has one (``devices.rng_state``),
+    under its torch device type ("cuda" as checkpoints before issue 39 named the CUDA generator's)."""
     np_state = np.random.get_state()
     state = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": torch.get_rng_state().tolist(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state[CUDA_RNG] = torch.cuda.get_rng_state().tolist()
+    device = devices.rng_state(device_type) if device_type is not None else None
+    if device is not None:
+        state[devices.get(device_type).device_type] = device
     return _to_json_bytes(state)
 
 
-def _set_rng_state(blob: bytes) -> None:
+def _set_rng_state(blob: bytes, device_type: str | None = None) -> None:
     state = _from_json_bytes(blob)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if CUDA_RNG in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state[CUDA_RNG], dtype=torch.uint8))
+    key = devices.get(device_type).device_type if device_type is not None else None
+    if key in state:  # saved on the same device type (another's generator state means nothing here)
+        devices.set_rng_state(device_type, state[key])
