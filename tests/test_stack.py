@@ -467,6 +467,71 @@ def test_no_device_string_comparisons_outside_devices():
     assert total == 0
 
 
+
+# -- issue 39: device calls go through devices/ (torch's device modules, asked by the device's kind) ----------------
+DEVICE_MODULES = ("torch.cuda", "torch.neuron")  # and their submodules (torch.cuda.memory, ...)
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch.cuda.memory._dump_snapshot`` for that attribute chain (None when it does not start at a name)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _in_device_module(dotted: str | None) -> bool:
+    return bool(dotted) and any(dotted == m or dotted.startswith(m + ".") for m in DEVICE_MODULES)
+
+
+def device_calls(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of every call into a device's torch module (``torch.cuda.synchronize()``,
+    ``torch.cuda.memory._record_memory_history(...)``, ``torch.neuron.memory_allocated(0)``) and every import of one
+    (``from torch.cuda import memory``, ``from torch import cuda``, ``import torch.cuda``), which would hide the
+    calls behind another name."""
+    source = path.read_text()
+    out = []
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, ast.Call):
+            hit = _in_device_module(_dotted(node.func))
+        elif isinstance(node, ast.ImportFrom):
+            hit = _in_device_module(node.module) or (node.module == "torch" and any(
+                _in_device_module(f"torch.{a.name}") for a in node.names))
+        elif isinstance(node, ast.Import):
+            hit = any(_in_device_module(a.name) for a in node.names)
+        else:
+            continue
+        if hit:
+            out.append((node.lineno, (ast.get_source_segment(source, node) or "").splitlines()[0][:80]))
+    return out
+
+
+def device_calls_outside_devices(files: dict[str, Path]) -> dict[str, list[tuple[int, str]]]:
+    """Module -> its calls into torch.cuda / torch.neuron, for every module outside devices/ that has one (titan/
+    included: the torchtitan adapter has no reason to call a device's runtime itself)."""
+    found = {name: device_calls(p) for name, p in files.items() if not _in_devices(name)}
+    return {name: hits for name, hits in found.items() if hits}
+
+
+def _in_devices(name: str) -> bool:
+    return name == "qwen3_research.devices" or name.startswith("qwen3_research.devices.")
+
+
+def test_no_device_calls_outside_devices():
+    """No ``torch.cuda.*`` / ``torch.neuron.*`` call (or import) outside qwen3_research/devices/: what a device's
+    runtime does is asked of devices (``Device``, ``devices.rng_state``, ``devices.record_memory_history``,
+    ``devices.device_name``), which reaches it through torch's device module for the run's kind (issue 39)."""
+    mods = our_modules()
+    found = device_calls_outside_devices(mods)
+    inside = sum(len(device_calls(p)) for name, p in mods.items() if _in_devices(name))
+    total = sum(map(len, found.values()))
+    print(f"\ndevice calls outside devices/: {total} in {len(found)} modules (inside it: {inside})")
+    for name, hits in sorted(found.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {name}: {len(hits)}  " + "; ".join(f"{line}: {src}" for line, src in hits[:4])
+              + (" ..." if len(hits) > 4 else ""))
+    assert total == 0
+
 # The planner builds the Trainer's parts with an injected trace device, mesh and gather; it patches nothing but,
 # if unavoidable, this one named DTensor propagation seam (the owner class and its attribute).
 PLANNER_MODULES = ("qwen3_research.planner", "qwen3_research.fit")
@@ -818,6 +883,17 @@ def test_the_issue32_scans_can_fail(tmp_path):
     assert [line for line, _ in device_comparisons(dev)] == [2, 3, 4, 5, 7]
     assert list(device_comparisons_outside_devices({"qwen3_research.trainer": dev, "qwen3_research.devices.cuda": dev,
                                                     "qwen3_research.titan.v03": dev})) == ["qwen3_research.trainer"]
+    # 1b. device calls (issue 39): calls and imports into torch.cuda / torch.neuron and their submodules, flagged
+    # outside devices/ (titan/ included); torch.backends.cuda, a reference that is not called, a comment are not
+    calls = tmp_path / "calls.py"
+    calls.write_text("import torch\nimport torch.cuda.memory\nfrom torch import cuda\nfrom torch.cuda import memory\n"
+                     "def f(d):\n    torch.cuda.synchronize(d)\n    torch.cuda.memory._record_memory_history(enabled=None)\n"
+                     "    n = torch.neuron.memory_allocated(0)\n    t = torch.backends.cuda.matmul.allow_tf32\n"
+                     "    g = torch.cuda.get_rng_state  # torch.cuda.x()\n    return torch.get_device_module(d)\n")
+    assert [line for line, _ in device_calls(calls)] == [2, 3, 4, 6, 7, 8]
+    assert list(device_calls_outside_devices({"qwen3_research.profiling": calls, "qwen3_research.devices.cuda": calls,
+                                              "qwen3_research.titan.v03": calls})) == ["qwen3_research.profiling",
+                                                                                       "qwen3_research.titan.v03"]
     # 2. the planner: a patch loop, an assignment to a module's attribute, a setattr on a class, mock.patch; the one
     # named DTensor seam and a local object's attributes are not patches
     planner = tmp_path / "planner.py"
