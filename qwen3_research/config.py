@@ -130,7 +130,8 @@ class DataConfig:
 
 @dataclass
 class DeviceConfig:
-    type: str = "auto"  # auto | cpu | cuda | neuron
+    # auto | cpu | cuda | neuron, or a kind from a module QWEN3_RESEARCH_DEVICE_MODULES names (devices/__init__.py)
+    type: str = "auto"
     lnc: Optional[int] = None  # neuron: logical NeuronCore config 1|2, exported to every worker; None = NEURON_LOGICAL_NC_CONFIG or 2
     memory_gib: Optional[float] = None  # capacity per rank for planning (qwen3_research.plan); None = detected
     # Planning a GPU this host does not have (device=cuda on a CPU-only host): a name from torchtitan's peak table

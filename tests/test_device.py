@@ -409,3 +409,34 @@ def test_device_kind_asks_no_torch(tmp_path):
     print(here.stdout, trn.stdout, here.stderr[-500:])
     assert here.stdout.split() == ["cpu", "cpu", "cuda", "False"]
     assert trn.stdout.split() == ["neuron", "cpu", "cuda", "False"]
+
+
+# -- a new kind is one module and one YAML, through the CLI (issue 39) ----------------------------------------------
+TOY_CONF = Path(__file__).parent / "conf"  # tests/conf/device/toy.yaml: what conf/device/<kind>.yaml is for a shipped kind
+
+
+@pytest.mark.slow
+def test_a_toy_device_kind_trains_checkpoints_and_resumes_through_the_cli(tmp_path):
+    """tests/toy_device.py (a CPU-backed kind, registered through QWEN3_RESEARCH_DEVICE_MODULES) and
+    tests/conf/device/toy.yaml (found through hydra.searchpath), nothing else: 4 steps straight with a checkpoint
+    every 2; the same run killed in step 3 (after the step-2 save) and resumed reproduces steps 3-4 exactly. Every
+    run reports device=toy, and its spec's peaks reach the MFU (the toy's made-up 1e12, not a measured CPU peak)."""
+    env = cli_env(QWEN3_RESEARCH_DEVICE_MODULES="tests.toy_device")
+    args = ["device=toy", f"hydra.searchpath=[file://{TOY_CONF}]", "training.steps=4", "data.seq_len=32",
+            "data.batch_size=2", "training.eval_every=0", "logging.print_config=false", "logging.wandb.mode=disabled",
+            "checkpoint.enable=true", "checkpoint.every=2"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    first = run_cli(args, run_dir=straight, env=env)
+    assert_ok(first)
+    killed = run_cli([*args, "training.fault=kill@3"], run_dir=run, env=env)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, env=env)
+    assert_ok(resumed)
+    assert "step-00000002 at step 2" in resumed.stdout, resumed.stdout[-2000:]
+    ref = [r["loss"] for r in read_metrics(straight) if "loss" in r]
+    got = [r["loss"] for r in read_metrics(run) if "loss" in r]  # steps 1-2, then 3-4 appended by the resume
+    print(f"\ntoy device losses: straight {ref}\n                   resumed  {got}")
+    assert "device=toy" in first.stdout and "device=toy" in resumed.stdout
+    facts = json.loads((run / "summary.json").read_text())["device_facts"][0]
+    assert facts["device"] == "cpu" and facts["peak_flops"] == 1e12 and facts["lnc"] is None, facts
+    assert len(ref) == 4 and got == ref

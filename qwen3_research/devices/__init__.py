@@ -1,17 +1,24 @@
 """Devices as specs: one module per device kind, registered as model backends and kernels are.
 
-Each kind (``device.type``) is a frozen ``DeviceSpec`` (``spec.py``) that its module builds and ``register``s:
-its distributed backend and worker start method, what ``training.mixed_precision`` / ``training.loss`` /
-``compile.enable`` = auto become there, its compile backend, reference peak FLOP/s per dtype, profiler activities
-and memory snapshot, allocator facts, whether it runs on the host or can be planned without the hardware, its
-presence (``present()``, torch-free; ``available()``, torch-checked) and the doctor's rows for it. The rest of the
-package asks the spec (``devices.get(kind).dist_backend``) and never compares a device string: outside this package
-and ``titan/`` a comparison with "cpu" / "cuda" / "neuron" fails tests/test_stack.py.
+Each kind (``device.type``) is a frozen ``DeviceSpec`` (``spec.py``) that its module builds and ``register``s: what
+differs between kinds -- its distributed backend and worker start method, what ``training.mixed_precision`` /
+``training.loss`` / ``compile.enable`` = auto become there, its compile backend, reference peak FLOP/s per dtype,
+profiler activities and memory snapshot, whether it runs on the host or can be planned without the hardware, its LNC
+default where it has logical cores, its presence (``present()``, torch-free; ``available()``, torch-checked) and the
+doctor's rows for it. What torch abstracts for every device type (synchronize, memory counters, the generator's
+state, the device name, the allocator's history) is asked of ``torch.get_device_module(type)`` by ``runtime.py``;
+a kind whose module lacks it brings its own (the CPU's peak RSS: ``cpu.HostMemory``). The rest of the package asks
+the spec (``devices.get(kind).dist_backend``) or ``devices`` (``rng_state``, ``record_memory_history``,
+``device_name``), never compares a device string and never calls ``torch.cuda`` / ``torch.neuron``: outside this
+package (and ``titan/`` for strings) either fails tests/test_stack.py.
 
 **A new device is one module and one YAML file**: ``qwen3_research/devices/<kind>.py`` that builds its
 ``DeviceSpec`` and calls ``registry.register`` (``registry.discover`` imports it: nothing lists it), and
-``conf/device/<kind>.yaml`` (``type: <kind>``). tests/test_device.py registers a toy kind from one module and
-checks the registry and the config's validation accept it.
+``conf/device/<kind>.yaml`` (``type: <kind>``). A kind kept outside the package is a module named in
+``QWEN3_RESEARCH_DEVICE_MODULES`` (comma-separated, importable; ``registry.discover`` imports it in every process,
+before the launcher or the CPU allocator asks for a kind) and a YAML on a Hydra search path
+(``hydra.searchpath=[file://DIR]`` with ``DIR/device/<kind>.yaml``): tests/toy_device.py and
+tests/conf/device/toy.yaml, a CPU-backed kind trained, checkpointed and resumed through the CLI in tests/test_device.py.
 
 - ``device_kind(requested="auto", argv=None)``: the kind a run uses, asked without importing torch (the CPU
   allocator before anything loads, the config's auto settings); ``argv``'s ``device=`` / ``device.type=`` wins.

@@ -93,7 +93,8 @@ def prepare_torchtitan(device_type: str) -> None:
     """
     import torch._utils as tu
 
-    tu._get_available_device_type = lambda: device_type  # type: ignore[assignment]
+    torch_type = get(device_type).device_type  # a kind backed by another's device (tests' toy: cpu) pins that one
+    tu._get_available_device_type = lambda: torch_type  # type: ignore[assignment]
 
 
 def _indexed(device_type: str, local_rank: int):
