@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 
 from qwen3_research.devices import cpu, cuda, neuron  # each registers its spec
+from qwen3_research.devices.cpu import cpu_isa
 from qwen3_research.devices.cuda import GPU_FP32_BY_BF16_PEAK, PLANNED_GPUS, planned_gpu, tf32_enabled
 from qwen3_research.devices.cuda import unavailable_reason as cuda_unavailable_reason
 from qwen3_research.devices.host import CGROUP_MEMORY_LIMITS, cache_dir, cgroup_memory_files, cpu_cores, host_memory

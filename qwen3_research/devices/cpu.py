@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 from collections.abc import Mapping
@@ -92,6 +93,34 @@ class MeasuredPeaks(Mapping):
 
     def __len__(self) -> int:
         return len(self.KEYS)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_isa() -> str:
+    """The CPU's matrix/vector level a speed measurement holds for: avx512bf16 (bf16 units: AVX512-BF16 or AMX),
+    avx512 or avx2 (GUIDE §7: bf16 is 10-100x slower than fp32 without bf16 units, faster with them). torch answers
+    first: ``torch.cpu.get_capabilities()`` for the bf16 units and ``torch.backends.cpu.get_cpu_capability()`` for
+    the vector ISA ATen dispatches to; /proc/cpuinfo's flags only where torch does not answer (another CPU
+    architecture, an older torch)."""
+    import torch
+
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    # torch's names (avx512_f) and the kernel's (avx512f) of the one flag where they differ
+    flags = {k for k, v in caps().items() if v is True} if caps else _cpuinfo_flags()
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return "avx512bf16"
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX512 | AVX2 | DEFAULT | VSX | ZVECTOR | SVE256 ...
+    if capability in ("AVX512", "AVX2"):
+        return capability.lower()
+    return "avx512" if flags & {"avx512_f", "avx512f"} else "avx2"
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return set()
 
 
 def cpu_id() -> str:

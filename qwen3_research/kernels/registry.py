@@ -29,7 +29,6 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
 from __future__ import annotations
 
 import fnmatch
-import functools
 import importlib.util
 import logging
 import os
@@ -130,16 +129,8 @@ def device_kind(device_type: str) -> str:
     return _cpu_kind()
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_kind() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
-        return "cpu-avx512bf16"
-    return "cpu-avx512" if "avx512f" in flags else "cpu-avx2"
+    return f"cpu-{devices.cpu_isa()}"  # the CPU's features are the devices package's (devices/cpu.py)
 
 
 def run_dtype(cfg) -> str:
