@@ -440,3 +440,80 @@ def test_a_toy_device_kind_trains_checkpoints_and_resumes_through_the_cli(tmp_pa
     facts = json.loads((run / "summary.json").read_text())["device_facts"][0]
     assert facts["device"] == "cpu" and facts["peak_flops"] == 1e12 and facts["lnc"] is None, facts
     assert len(ref) == 4 and got == ref
+
+
+# -- the CPU peak table (devices/peaks.py) shared by processes (issue 39), and a cache folder it cannot use (40) --------
+MEASURE = """
+import os, sys, time
+import torch
+from qwen3_research.devices import peaks
+dtype = getattr(torch, sys.argv[1])
+open(sys.argv[2], "w").close()  # ready: imports done
+while not os.path.exists(sys.argv[3]):  # start together
+    time.sleep(0.005)
+peak = peaks.cached_cpu_peak(dtype)  # an empty table: both measure, then write
+for i in range(1, 101):  # a hundred read-modify-writes each, interleaved with the other's
+    last = peaks.raise_cpu_peak(dtype, peak + i)
+print(dtype, last)  # the table keys its entry by (cpu, cores, threads, dtype, torch)
+"""
+
+
+def test_two_processes_measuring_at_once_keep_both_entries(tmp_path):
+    """Two real processes, one cache folder (QWEN3_RESEARCH_CACHE), started together on an empty cpu_peak.json: each
+    measures its own entry (fp32, fp64), then raises it 100 times. Both entries survive with each process's last
+    value: without the table's lock a process writes back the table it read before the other's write, and one entry
+    (or its latest value) is lost."""
+    import subprocess
+
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    env = cli_env(QWEN3_RESEARCH_CACHE=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE, dtype, str(tmp_path / dtype), str(go)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for dtype in ("float32", "float64")]
+    deadline = 120
+    while not all((tmp_path / d).exists() for d in ("float32", "float64")) and deadline > 0:
+        import time
+
+        time.sleep(0.05)
+        deadline -= 0.05
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    written = {d: float(v) for d, v in (out.strip().splitlines()[-1].split() for out, _ in outs)}
+    table = json.loads((cache / "cpu_peak.json").read_text())
+    kept = {d: next((v for k, v in table.items() if f"|{d}|" in k), None) for d in written}
+    print(f"\ncpu_peak.json after two processes at once: {len(table)} entries; "
+          + "; ".join(f"{d}: {kept[d]} (its process wrote {v})" for d, v in written.items()))
+    assert len(written) == 2 and kept == written
+    assert not list(cache.glob("*.tmp"))
+
+
+def _read_only_folder(tmp_path) -> Path:
+    """A folder this process cannot write to: a chmod 555 one, or (root writes there anyway) sysfs's."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.access(ro, os.W_OK):
+        ro = Path("/sys/fs")
+        if not ro.is_dir() or os.access(ro, os.W_OK):
+            pytest.skip("no folder this process cannot write to")
+    return ro
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["read-only", "a file"])
+def test_an_unusable_cache_folder_warns_once_and_the_run_goes_on(tmp_path, what):
+    """QWEN3_RESEARCH_CACHE read-only, or a file: the CPU run measures its own peak, warns once naming the folder
+    and the variable that moves it, finishes (exit 0), and leaves no cpu_peak.<pid>.tmp. (A full disk is not
+    simulated here: it fails the same write, an OSError, in the same place.)"""
+    if what == "a file":
+        cache = tmp_path / "cache"
+        cache.write_text("not a folder")
+    else:
+        cache = _read_only_folder(tmp_path)
+    proc = run_cli([*FAST, "training.steps=1"], run_dir=tmp_path / "run", env=cli_env(QWEN3_RESEARCH_CACHE=str(cache)))
+    warnings = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "CPU peak table" in ln]
+    print(f"\n{what}: exit {proc.returncode}; {warnings}")
+    assert_ok(proc)
+    assert len(warnings) == 1 and str(cache) in warnings[0] and "QWEN3_RESEARCH_CACHE" in warnings[0], warnings
+    assert not list(tmp_path.rglob("cpu_peak.*.tmp")) and (not cache.is_dir() or not list(cache.glob("*.tmp")))
