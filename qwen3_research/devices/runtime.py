@@ -1,6 +1,8 @@
-"""The torch-using half of the devices package: one process's ``Device`` (its spec's facts and actions), the
-torchtitan device pin, and the CPU/gloo workaround after sharding. Imported by whoever builds on a device (the
-Trainer, the planner); ``devices`` itself stays torch-free."""
+"""The torch-using half of the devices package: one process's ``Device`` (its spec's facts and actions), what torch's
+device module does for any kind (``device_module``: memory counters, generator state, device name, the allocator's
+history; one path for cuda and neuron, as torchtitan's ``device_module``), the torchtitan device pin, and the gloo
+workaround after sharding. Imported by whoever builds on a device (the Trainer, the planner, the checkpoint's RNG
+state, the profiler); ``devices`` itself stays torch-free."""
 
 from __future__ import annotations
 
