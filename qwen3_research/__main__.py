@@ -214,11 +214,13 @@ def _task(cfg: DictConfig):
     multirun = hc.mode.name == "MULTIRUN"
     prediction = None
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
-        done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        # resolved: the resolution the point's plan made, when it runs that config (not resolved again)
+        done, prediction, cfg, resolved = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task),
+                                                        hc.sweep.dir)
         if done is not None:
             return done
-    # The run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
-    resolved = _RESOLVED[1] if not multirun and _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
+    else:  # the run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
+        resolved = _RESOLVED[1] if _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
     try:
         summary = _launch().run(cfg, hc.runtime.output_dir, resolved=resolved, wandb_group=group, wandb_name=name, swept=swept,
                       prediction=prediction)

@@ -226,8 +226,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
     planned_spec = devices.find(planned)
-    # A plan for a device this host lacks (Trainium, a GPU) is made on CPU; the host's own kind needs nothing.
-    elsewhere = bool(plan and planned_spec and not planned_spec.runs_on_host and not planned_spec.available())
+    elsewhere = plan and planned_elsewhere(planned)
     # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
     checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
     rc = validate(to_run_config(checked))
@@ -282,6 +281,13 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
                        precision=precision)
+
+
+def planned_elsewhere(device_type: str) -> bool:
+    """A plan for ``device.type=device_type`` is made for a device this host lacks (Trainium, a GPU): on CPU, as
+    planned (``resolve_run(plan=True)``); the host's own kind needs nothing of the sort."""
+    spec = devices.find(device_type)
+    return bool(spec and not spec.runs_on_host and not spec.available())
 
 
 def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> ResolvedRun:
