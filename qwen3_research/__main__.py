@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from qwen3_research import resolve, slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import register_configs
-from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
+from qwen3_research.errors import AlreadyComplete, ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.launch.slurm import preflight as slurm_preflight
 from qwen3_research.launch.sweep import (parse_overrides, prepare_point, stop_sweep, swept_keys_of_this_sweep,
                                          wandb_group)
@@ -159,6 +159,9 @@ def preflight(overrides: list[str]) -> str | None:
         run = resolve.resolve_before_hydra(cfg, run_dir)
     except ConfigError as e:
         _die(f"config error: {e}")
+    except AlreadyComplete as done:  # a finished run asked to resume: nothing to train, nothing written
+        print(str(done), flush=True)
+        sys.exit(0)
     _RESOLVED = (_task_key(overrides), run)
     return run.run_dir
 

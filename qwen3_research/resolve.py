@@ -24,7 +24,7 @@ them refuse the same configurations with the same one line, in the same order:
    worker starts. An entry that matches nothing is a warning, as in a run.
 
 Each process resolves once (tests/test_resolve.py::test_one_cli_run_resolves_and_composes_once_per_process): the
-CLI before Hydra starts (``launch.elastic.resolve_before_hydra``), handing the description to Hydra's task and the
+CLI before Hydra starts (``resolve_before_hydra``), handing the description to Hydra's task and the
 launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it; ``at_run_dir`` then checks the run
 dir once (``rundir.check_run_dir``, ``checkpoint.preflight`` inside it) and records what a resume or ``init_from``
 loads. The auto settings are filled in one place (``auto_settings``, from ``DEVICE_DEFAULTS``: what each device kind
@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ from qwen3_research import compiling
 from qwen3_research import devices
 from qwen3_research import models, slurm
 from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import AlreadyComplete, ConfigError, check_writable, log_call
+from qwen3_research.errors import ConfigError, check_writable, log_call
 from qwen3_research.models import registry
 from qwen3_research.parallel import has_fsdp_units, validate_degrees
 
@@ -167,6 +166,9 @@ class ResolvedRun:
     # compile.enable resolved (compiling.decide): on/off, its reason, the keyed compile cache and whether it was warm
     compile: Any = None
     precision: PrecisionPlan | None = None  # training.mixed_precision as carried out (precision_plan)
+    # Tokens per optimizer step over every data-parallel rank: batch_size x dp x grad_accum x seq_len (what
+    # data.global_batch_tokens asks for when set); throughput, metrics' token count, summary.json, the plan read it
+    tokens_per_step: int = 0
     # The run dir's facts (``at_run_dir``, once the directory is known and checked): None until then.
     run_dir: str | None = None  # the run directory, absolute, checked (check_run_dir) in this process
     checkpoint_root: str | None = None  # where checkpoints are written and looked for
@@ -189,19 +191,8 @@ class ResolvedRun:
         return self.device_type
 
     @property
-    def loss(self) -> str:
-        """``training.loss`` as resolved: full or chunked (auto filled in by ``auto_settings``, and
-        ``_loss_for_backend``)."""
-        return self.rc.training.loss
-
-    @property
     def world_size(self) -> int:
         return self.degrees.world_size
-
-    def with_config(self, config: dict) -> "ResolvedRun":
-        """This resolution over ``config``, a variant of ``self.config`` that changes none of the resolved facts
-        (the planner's trace: fake CPU tensors, no sinks, no checkpoints). Nothing is checked again."""
-        return dataclasses.replace(self, config=config, rc=to_run_config(config))
 
 
 def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kernels: bool = True,
@@ -280,7 +271,8 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
-                       precision=precision)
+                       precision=precision,
+                       tokens_per_step=batch_size * degrees.dp * rc.training.grad_accum * rc.data.seq_len)
 
 
 def planned_elsewhere(device_type: str) -> bool:
@@ -323,7 +315,8 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
     LNC into the environment workers inherit), a tokenizer other than the packaged one loaded once, then the run
     dir (``resolve.at_run_dir``: one owner, resume rules, the checkpoint a resume loads) and whether it and the
     checkpoint dir can be written. ``run_dir``: ``hydra.run.dir`` as composed (None: only Hydra's run can resolve
-    it, and ``run`` checks it). A finished run asked to resume prints why and exits 0; a refusal is a ConfigError."""
+    it, and ``run`` checks it). Raises ``AlreadyComplete`` for a finished run asked to resume (the CLI says why and
+    exits 0), a ConfigError for a refusal."""
     run = resolve_run(cfg, prepare=devices.prepare_launch)  # under torchrun also against the world size it started
     spec = models.tokenizer_spec(run.rc)
     if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
@@ -332,11 +325,7 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
         Tokenizer(tokenizer_path(spec))
     if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
         return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
-    try:
-        run = at_run_dir(run, run_dir, owner=True)
-    except AlreadyComplete as done:
-        print(str(done), flush=True)
-        sys.exit(0)
+    run = at_run_dir(run, run_dir, owner=True)
     check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
     if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
         check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
