@@ -256,6 +256,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     if not elsewhere:
         models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
 
+    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
     support, targets, caught = (), {}, ()
     if kernels and rc.kernels.entries:
         if not elsewhere:  # the packages a kernel imports are the planned host's business
@@ -266,8 +267,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
             planning = plan and (devices.get(kind).kernels_by_shape or elsewhere)
-            targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
-    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
+            targets, caught = kernel_targets(rc, kind, lnc, dtype=precision.compute_dtype, planning=planning)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
@@ -340,11 +340,12 @@ def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> lis
     return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
 
 
-def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning: bool = False
+def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, dtype: str, planning: bool = False
                    ) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
     """The kernel entries resolved as a worker resolves them once its model is built (``kernels.resolve``: device
     type, LNC, packages, the model's module types and shapes; each failure a ConfigError), on the model built on
-    the meta device: no tensor memory, no device. Returns (entry label -> module FQNs, the no-match warnings).
+    the meta device: no tensor memory, no device, in the run's compute dtype ``dtype`` (its ``PrecisionPlan``'s).
+    Returns (entry label -> module FQNs, the no-match warnings).
 
     torchtitan is pinned to CPU for the build (it reads its device once, at import): call it where this process
     builds no model for an accelerator afterwards (``resolve_run`` decides). The warnings are returned, not
@@ -366,9 +367,9 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
         device = SimpleNamespace(type=device_type, lnc=lnc or devices.LNC_DEFAULT_NEURON, torch_device=meta)
         if planning:  # checked for, and shaped as, the planned device (the planner traces the same way)
             with planning_for(device_type, lnc):
-                plan = resolve_kernels(backend.model, rc, device)
+                plan = resolve_kernels(backend.model, rc, device, dtype=dtype)
         else:
-            plan = resolve_kernels(backend.model, rc, device)
+            plan = resolve_kernels(backend.model, rc, device, dtype=dtype)
     matches = tuple(str(w.message) for w in caught if issubclass(w.category, KernelMatchWarning))
     for w in caught:  # anything else the build warned about is shown as it would have been
         if not issubclass(w.category, KernelMatchWarning):

@@ -72,16 +72,21 @@ def _float32_copy(backend, cfg):
     ``training.mixed_precision=bf16`` gathers bfloat16 copies for every forward, so the run's own model cannot compute
     in float32, and its bf16 logits differ from transformers' float32 reload by 0.067 on tiny_moe (near-tie routing),
     more than bfloat16's tolerance. No kernel is installed in the copy."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    full = {}
+    # state_dict() as the export's own gather reads it (torchtitan 0.3's fused QKV renames its keys on save, which
+    # DCP's get_model_state_dict cannot walk); every rank takes part in each full_tensor
+    for k, v in backend.model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if main:
+            full[k] = v.detach().to("cpu", torch.float32)
+    if not main:
         return None
     copy = models.build(cfg.model, torch.device("cpu"), seq_len=cfg.data.seq_len, seed=cfg.training.seed,
                         load_init_from=False)
     if hasattr(copy, "materialize"):
         copy.materialize()
-    copy.model.load_state_dict({k: v.float() for k, v in full.items()}, strict=True)
+    copy.model.load_state_dict(full, strict=True)
     copy.model.eval()
     return copy
 
