@@ -25,7 +25,9 @@ them refuse the same configurations with the same one line, in the same order:
 
 Each process resolves once (tests/test_resolve.py::test_one_cli_run_resolves_and_composes_once_per_process): the
 CLI before Hydra starts (``resolve_before_hydra``), handing the description to Hydra's task and the
-launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it; ``at_run_dir`` then checks the run
+launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it (a sweep point: the resolution its
+plan made, ``launch.sweep.plan_points``, handed back to the sweep's process; tests/test_resolve.py::
+test_a_sweep_resolves_each_point_once_per_process); ``at_run_dir`` then checks the run
 dir once (``rundir.check_run_dir``, ``checkpoint.preflight`` inside it) and records what a resume or ``init_from``
 loads. The auto settings are filled in one place (``auto_settings``, from ``DEVICE_DEFAULTS``: what each device kind
 decides); ``config.to_run_config`` and ``config.validate`` are pure. ``training.mixed_precision`` becomes a
