@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from qwen3_research import resolve, slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import register_configs
-from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError
+from qwen3_research.errors import AlreadyComplete, ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.launch.slurm import preflight as slurm_preflight
 from qwen3_research.launch.sweep import (parse_overrides, prepare_point, stop_sweep, swept_keys_of_this_sweep,
                                          wandb_group)
@@ -159,6 +159,9 @@ def preflight(overrides: list[str]) -> str | None:
         run = resolve.resolve_before_hydra(cfg, run_dir)
     except ConfigError as e:
         _die(f"config error: {e}")
+    except AlreadyComplete as done:  # a finished run asked to resume: nothing to train, nothing written
+        print(str(done), flush=True)
+        sys.exit(0)
     _RESOLVED = (_task_key(overrides), run)
     return run.run_dir
 
@@ -214,11 +217,13 @@ def _task(cfg: DictConfig):
     multirun = hc.mode.name == "MULTIRUN"
     prediction = None
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
-        done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        # resolved: the resolution the point's plan made, when it runs that config (not resolved again)
+        done, prediction, cfg, resolved = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task),
+                                                        hc.sweep.dir)
         if done is not None:
             return done
-    # The run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
-    resolved = _RESOLVED[1] if not multirun and _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
+    else:  # the run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
+        resolved = _RESOLVED[1] if _RESOLVED and _RESOLVED[0] == _task_key(hc.overrides.task) else None
     try:
         summary = _launch().run(cfg, hc.runtime.output_dir, resolved=resolved, wandb_group=group, wandb_name=name, swept=swept,
                       prediction=prediction)

@@ -218,7 +218,9 @@ def collect(overrides: list[str]) -> tuple[list[Row], dict]:
                             "choose one of the options that can run here (above)"))
         elif rc.kernels.entries:  # the model's shapes too, as the run's start-up resolves them (on a meta model)
             try:
-                _, unmatched = kernel_targets(rc, ctx["device"], lnc)
+                # the dtype only gates a speed kernel's use (not shown here): float32 where the run was refused
+                dtype = run.precision.compute_dtype if run is not None else "float32"
+                _, unmatched = kernel_targets(rc, ctx["device"], lnc, dtype=dtype)
                 warn_kernel_matches(unmatched)
                 rows.append(Row("kernels", f"kernels={chosen}: the run's start-up checks pass for model.flavor="
                                 f"{rc.model.flavor}"))

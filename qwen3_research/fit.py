@@ -187,7 +187,7 @@ def cost(c: Candidate, run) -> None:
     f = models.architecture(rc.model)
     seq = rc.data.seq_len
     per_token = models.flops_per_token(rc.model, seq)
-    global_tokens = rc.data.batch_size * run.degrees.dp * rc.training.grad_accum * seq
+    global_tokens = run.tokens_per_step
     recompute = 0.0
     if f is not None:
         d, v = f.dim, f.vocab_size
@@ -243,7 +243,7 @@ def search(config: dict | ResolvedRun, *, frozen: set[str] = frozenset(), k: int
             c.estimate_gib = float("inf")
             c.changes["_refused"] = str(e).splitlines()[0] if str(e) else type(e).__name__
             continue
-        est = estimate(r.rc, r.degrees, r.model)
+        est = estimate(r)
         c.estimate_gib = est.get("peak", 0) / GIB if est else 0.0
     cands = [c for c in cands if "_refused" not in c.changes]
     cands.sort(key=Candidate.cost_key)
@@ -274,7 +274,7 @@ def _smallest(cands: list[Candidate], run, cap: float, echo) -> tuple[Candidate 
         return None, "no legal variant of this configuration (the world allows no other layout)"
     best = min(cands, key=lambda c: (-c.tp, _memory_order(c)))
     r = resolve_run(best.config, plan=True, kernels=False)
-    est = estimate(r.rc, r.degrees, r.model)
+    est = estimate(r)
     state = sum(est.get(k, 0) for k in ("params", "grads", "optimizer")) / GIB if est else 0.0
     if state > cap:
         return best, (f"float32 parameters + gradients + AdamW state alone are {state:.1f} GiB per rank "

@@ -229,8 +229,9 @@ def evenly_sharded(model) -> bool:
 
 
 # -- the closed form ---------------------------------------------------------------------------
-def estimate(rc, degrees, facts: dict) -> dict:
+def estimate(run: ResolvedRun) -> dict:
     """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
+    rc, degrees, precision = run.rc, run.degrees, run.precision
     f = models.architecture(rc.model)
     if f is None:  # a backend without a closed form (model=hf)
         return {}
@@ -246,9 +247,9 @@ def estimate(rc, degrees, facts: dict) -> dict:
     f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
     # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
     # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
-    # FSDP2 under training.mixed_precision=bf16 (parallel.torchtitan_training_configs): bf16 parameter copies, so
-    # bf16 activations too; one process (autocast) keeps float32 activations at the block boundaries.
-    bf16_params = rc.training.mixed_precision == "bf16" and degrees.sharded
+    # FSDP2's bf16 parameter copies (the run's PrecisionPlan), so bf16 activations too; autocast (one process, or a
+    # layout without FSDP2 units) keeps float32 activations at the block boundaries.
+    bf16_params = precision.param_dtype == "bfloat16"
     s_a = 2 if bf16_params else 4
     per_token_layer = s_a * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
     ac = rc.parallelism.activation_checkpoint
@@ -257,7 +258,7 @@ def estimate(rc, degrees, facts: dict) -> dict:
         layers_act = tokens * s_a * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
     elif ac == "selective":
         layers_act *= 0.6
-    mp = 2 if rc.training.mixed_precision == "bf16" else 4
+    mp = 2 if precision.compute_dtype == "bfloat16" else 4
     if rc.training.loss == "chunked":
         logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
     else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
@@ -310,7 +311,7 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     t0 = time.perf_counter()
     world = degrees.world_size
     ranks = []
-    est = estimate(rc, degrees, run.model)
+    est = estimate(run)
     mirrored = []
     for rank in sorted({0, world - 1}):
         if rank and ranks[0].even_shards and not trace_all:
@@ -325,9 +326,8 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
             est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
         rp.estimate = est
         ranks.append(rp)
-    tokens = rc.data.batch_size * rc.data.seq_len * degrees.dp * rc.training.grad_accum
-    flops = models.flops_per_token(rc.model, rc.data.seq_len) * tokens
-    plan = Plan(ranks, cap, source, world, degrees.describe(), tokens, flops, time.perf_counter() - t0, mirrored,
+    flops = models.flops_per_token(rc.model, rc.data.seq_len) * run.tokens_per_step
+    plan = Plan(ranks, cap, source, world, degrees.describe(), run.tokens_per_step, flops, time.perf_counter() - t0, mirrored,
                 planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
     _compile_and_step_time(plan, run, gpu_peak)
     return plan
@@ -347,7 +347,7 @@ def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:
     plan.compile_line = (f"compile: {'on' if on else 'off'} ({d.reason if d else 'compile.enable'}); the trace is the "
                          f"eager step: compiled, the peak would be ~{compiled:.2f} GiB (x{compiling.COMPILED_PEAK_FACTOR:.2f}, "
                          f"{compiling.COMPILED_PEAK_SOURCE})")
-    if gpu_peak and run.mixed_precision != "bf16":
+    if gpu_peak and run.precision.compute_dtype != "bfloat16":
         plan.step_line = ("predicted step time: only for training.mixed_precision=bf16 (the measured MFU it scales is "
                           "bf16's)")
     elif gpu_peak:

@@ -24,8 +24,10 @@ them refuse the same configurations with the same one line, in the same order:
    worker starts. An entry that matches nothing is a warning, as in a run.
 
 Each process resolves once (tests/test_resolve.py::test_one_cli_run_resolves_and_composes_once_per_process): the
-CLI before Hydra starts (``launch.elastic.resolve_before_hydra``), handing the description to Hydra's task and the
-launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it; ``at_run_dir`` then checks the run
+CLI before Hydra starts (``resolve_before_hydra``), handing the description to Hydra's task and the
+launcher (``launch.elastic.run(resolved=...)``), whose worker processes receive it (a sweep point: the resolution its
+plan made, ``launch.sweep.plan_points``, handed back to the sweep's process; tests/test_resolve.py::
+test_a_sweep_resolves_each_point_once_per_process); ``at_run_dir`` then checks the run
 dir once (``rundir.check_run_dir``, ``checkpoint.preflight`` inside it) and records what a resume or ``init_from``
 loads. The auto settings are filled in one place (``auto_settings``, from ``DEVICE_DEFAULTS``: what each device kind
 decides); ``config.to_run_config`` and ``config.validate`` are pure. ``training.mixed_precision`` becomes a
@@ -45,7 +47,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ from qwen3_research import compiling
 from qwen3_research import devices
 from qwen3_research import models, slurm
 from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
-from qwen3_research.errors import AlreadyComplete, ConfigError, check_writable, log_call
+from qwen3_research.errors import ConfigError, check_writable, log_call
 from qwen3_research.models import registry
 from qwen3_research.parallel import has_fsdp_units, validate_degrees
 
@@ -167,6 +168,9 @@ class ResolvedRun:
     # compile.enable resolved (compiling.decide): on/off, its reason, the keyed compile cache and whether it was warm
     compile: Any = None
     precision: PrecisionPlan | None = None  # training.mixed_precision as carried out (precision_plan)
+    # Tokens per optimizer step over every data-parallel rank: batch_size x dp x grad_accum x seq_len (what
+    # data.global_batch_tokens asks for when set); throughput, metrics' token count, summary.json, the plan read it
+    tokens_per_step: int = 0
     # The run dir's facts (``at_run_dir``, once the directory is known and checked): None until then.
     run_dir: str | None = None  # the run directory, absolute, checked (check_run_dir) in this process
     checkpoint_root: str | None = None  # where checkpoints are written and looked for
@@ -189,19 +193,8 @@ class ResolvedRun:
         return self.device_type
 
     @property
-    def loss(self) -> str:
-        """``training.loss`` as resolved: full or chunked (auto filled in by ``auto_settings``, and
-        ``_loss_for_backend``)."""
-        return self.rc.training.loss
-
-    @property
     def world_size(self) -> int:
         return self.degrees.world_size
-
-    def with_config(self, config: dict) -> "ResolvedRun":
-        """This resolution over ``config``, a variant of ``self.config`` that changes none of the resolved facts
-        (the planner's trace: fake CPU tensors, no sinks, no checkpoints). Nothing is checked again."""
-        return dataclasses.replace(self, config=config, rc=to_run_config(config))
 
 
 def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kernels: bool = True,
@@ -226,8 +219,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     config = _resolved_dict(cfg)
     planned = config.get("device", {}).get("type", "auto")
     planned_spec = devices.find(planned)
-    # A plan for a device this host lacks (Trainium, a GPU) is made on CPU; the host's own kind needs nothing.
-    elsewhere = bool(plan and planned_spec and not planned_spec.runs_on_host and not planned_spec.available())
+    elsewhere = plan and planned_elsewhere(planned)
     # A plan for Trainium or a GPU on a host without one: checked as a run would be, on CPU.
     checked = {**config, "device": {**config["device"], "type": "cpu"}} if elsewhere else config
     rc = validate(to_run_config(checked))
@@ -266,6 +258,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     if not elsewhere:
         models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
 
+    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
     support, targets, caught = (), {}, ()
     if kernels and rc.kernels.entries:
         if not elsewhere:  # the packages a kernel imports are the planned host's business
@@ -276,12 +269,19 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
             planning = plan and (devices.get(kind).kernels_by_shape or elsewhere)
-            targets, caught = kernel_targets(rc, kind, lnc, planning=planning)
-    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
+            targets, caught = kernel_targets(rc, kind, lnc, dtype=precision.compute_dtype, planning=planning)
     return ResolvedRun(config=config, rc=to_run_config(config) if elsewhere else rc, device_type=kind, lnc=lnc,
                        nproc_per_node=nproc, degrees=degrees, model=dict(facts), kernel_support=support,
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
-                       precision=precision)
+                       precision=precision,
+                       tokens_per_step=batch_size * degrees.dp * rc.training.grad_accum * rc.data.seq_len)
+
+
+def planned_elsewhere(device_type: str) -> bool:
+    """A plan for ``device.type=device_type`` is made for a device this host lacks (Trainium, a GPU): on CPU, as
+    planned (``resolve_run(plan=True)``); the host's own kind needs nothing of the sort."""
+    spec = devices.find(device_type)
+    return bool(spec and not spec.runs_on_host and not spec.available())
 
 
 def at_run_dir(run: ResolvedRun, run_dir: str | Path, *, owner: bool) -> ResolvedRun:
@@ -317,7 +317,8 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
     LNC into the environment workers inherit), a tokenizer other than the packaged one loaded once, then the run
     dir (``resolve.at_run_dir``: one owner, resume rules, the checkpoint a resume loads) and whether it and the
     checkpoint dir can be written. ``run_dir``: ``hydra.run.dir`` as composed (None: only Hydra's run can resolve
-    it, and ``run`` checks it). A finished run asked to resume prints why and exits 0; a refusal is a ConfigError."""
+    it, and ``run`` checks it). Raises ``AlreadyComplete`` for a finished run asked to resume (the CLI says why and
+    exits 0), a ConfigError for a refusal."""
     run = resolve_run(cfg, prepare=devices.prepare_launch)  # under torchrun also against the world size it started
     spec = models.tokenizer_spec(run.rc)
     if spec != "qwen3":  # the packaged one is hash-checked; any other file must load as a tokenizer, now
@@ -326,11 +327,7 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
         Tokenizer(tokenizer_path(spec))
     if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
         return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
-    try:
-        run = at_run_dir(run, run_dir, owner=True)
-    except AlreadyComplete as done:
-        print(str(done), flush=True)
-        sys.exit(0)
+    run = at_run_dir(run, run_dir, owner=True)
     check_writable(f"hydra.run.dir={run.run_dir}", Path(run.run_dir))  # Hydra's first write there was a traceback
     if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
         check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
@@ -345,11 +342,12 @@ def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> lis
     return kernel_support(rc.kernels.entries, device_type, lnc, option=rc.kernels.option)
 
 
-def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning: bool = False
+def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, dtype: str, planning: bool = False
                    ) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
     """The kernel entries resolved as a worker resolves them once its model is built (``kernels.resolve``: device
     type, LNC, packages, the model's module types and shapes; each failure a ConfigError), on the model built on
-    the meta device: no tensor memory, no device. Returns (entry label -> module FQNs, the no-match warnings).
+    the meta device: no tensor memory, no device, in the run's compute dtype ``dtype`` (its ``PrecisionPlan``'s).
+    Returns (entry label -> module FQNs, the no-match warnings).
 
     torchtitan is pinned to CPU for the build (it reads its device once, at import): call it where this process
     builds no model for an accelerator afterwards (``resolve_run`` decides). The warnings are returned, not
@@ -371,9 +369,9 @@ def kernel_targets(rc: RunConfig, device_type: str, lnc: int | None, *, planning
         device = SimpleNamespace(type=device_type, lnc=lnc or devices.LNC_DEFAULT_NEURON, torch_device=meta)
         if planning:  # checked for, and shaped as, the planned device (the planner traces the same way)
             with planning_for(device_type, lnc):
-                plan = resolve_kernels(backend.model, rc, device)
+                plan = resolve_kernels(backend.model, rc, device, dtype=dtype)
         else:
-            plan = resolve_kernels(backend.model, rc, device)
+            plan = resolve_kernels(backend.model, rc, device, dtype=dtype)
     matches = tuple(str(w.message) for w in caught if issubclass(w.category, KernelMatchWarning))
     for w in caught:  # anything else the build warned about is shown as it would have been
         if not issubclass(w.category, KernelMatchWarning):

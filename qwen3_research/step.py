@@ -267,7 +267,8 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         cfg.model, where.device.torch_device, seq_len=cfg.data.seq_len, seed=cfg.training.seed,
         tt_parallelism=tt.parallelism, tokenizer=tokenizer, load_init_from=not where.trace,
     )
-    kernel_plan = apply_overrides(backend.model, cfg, where.device) if cfg.kernels.entries else {}
+    kernel_plan = apply_overrides(backend.model, cfg, where.device, dtype=run.precision.compute_dtype) \
+        if cfg.kernels.entries else {}
     loss_scale = 1.0
     if degrees.sharded:
         backend.parallelize(where.parallel_dims, tt)

@@ -20,7 +20,6 @@ import torch
 
 from qwen3_research import allocator, compiling
 from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
-from qwen3_research.run.export_hf import compute_dtype as export_dtype
 from qwen3_research.run.export_hf import export_trained, held_out_inputs
 from qwen3_research.metrics import mfu, tokens_per_second
 from qwen3_research.memory import track_step
@@ -118,7 +117,7 @@ class Trainer:
             "val_samples": len(self.data.val),
             "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
             "precision": self.precision,  # how it is carried out here (run.precision)
-            "global_batch_tokens": self.cfg.data.batch_size * self.dp_size * self.cfg.training.grad_accum * self.cfg.data.seq_len,
+            "global_batch_tokens": self.run.tokens_per_step,
             "compile": self._compile_line(),
             **(self.routing.summary() if self.routing is not None else {}),
         }
@@ -145,7 +144,7 @@ class Trainer:
             self.sinks.resume_at(state.step)  # steps after the checkpoint are trained again
         config = {**self.resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self.resolved_config
         self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
-        tokens_per_step = cfg.data.batch_size * self.dp_size * t.grad_accum * cfg.data.seq_len
+        tokens_per_step = self.run.tokens_per_step
         peak = self.device.peak_flops(self._compute_dtype())
         peak_live_bytes, peak_categories = None, []
         self.backend.model.train()
@@ -236,8 +235,8 @@ class Trainer:
     def export_hf(self) -> dict | None:
         """The trained model -> ``<run dir>/hf``, verified (collective)."""
         return export_trained(self.backend, self.run_dir / "hf", inputs=held_out_inputs(self.data),
-                              device=self.device.torch_device, tokenizer=self.tokenizer,
-                              compute_dtype=export_dtype(self.cfg, self.backend, self.precision))
+                              device=self.device.torch_device, tokenizer=self.tokenizer, cfg=self.cfg,
+                              precision=self.run.precision)
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
         tps = tokens_per_second(tokens_per_step, dt)

@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         # device, now with the device's dtypes), then the install without kernels.verify: verified once, below.
         backend = models.build(rc.model, device.torch_device, seq_len=rc.data.seq_len, seed=rc.training.seed)
         # gate=False: a speed kernel is checked whether or not this run would apply it here (the plan says which)
-        plan = kernels.install(backend.model, kernels.resolve(backend.model, rc, device, gate=False), rc, device)
-        checks = kernels.verify_plan(backend.model, plan, rc, device)
+        dtype = run.precision.compute_dtype
+        plan = kernels.install(backend.model, kernels.resolve(backend.model, rc, device, dtype=dtype, gate=False), rc,
+                               device)
+        checks = kernels.verify_plan(backend.model, plan, rc, device, dtype=dtype)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

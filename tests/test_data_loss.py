@@ -272,3 +272,30 @@ def test_the_export_reference_of_a_moe_is_computed_with_float32_experts():
     assert float((bf16 - f32).abs().max()) > 1e-5  # the bf16 forward is not what was compared
     with torch.no_grad():
         assert torch.equal(backend.forward(x).float(), bf16)  # the class's own forward is back
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["parallelism=ep2"]], ids=["fsdp", "ep2"])
+def test_a_sharded_bf16_moe_run_exports_verified_in_float32(tmp_path, layout):
+    """Issue 40 (3): `model=native_moe parallelism=fsdp training.mixed_precision=bf16 checkpoint.enable=true
+    checkpoint.export_hf=true` always ended failed ("reloaded logits differ by 0.0674 > 0.0001 (float32)"; ep2:
+    "0.0665 > 0.05 (bfloat16)"): FSDP2 gathers bfloat16 parameter copies for every forward, so the reference logits
+    carried bf16 rounding (amplified by near-tie routing) however the experts were computed, while the check applied
+    float32's tolerance. The reference is now computed in float32 on an unsharded copy of the trained weights, as the
+    PrecisionPlan says the run's own forward cannot: exit 0, a loadable hf/, verified at float32's 1e-4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    args = ["model=native_moe", *layout, "training.mixed_precision=bf16", "checkpoint.enable=true",
+            "checkpoint.export_hf=true", "training.steps=2", "data.seq_len=32", "data.batch_size=2",
+            "training.eval_every=0", "logging.wandb.mode=disabled", "logging.print_config=false"]
+    proc = run_cli(args, run_dir=run, timeout=900)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("hf export: ")), None)
+    print(f"\n{layout[0]}: exit {proc.returncode}; {line or (proc.stderr.strip().splitlines() or [''])[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert line is not None and line.endswith("(tol 0.0001, float32)"), line
+    assert float(line.split("max_abs_logit_diff=")[1].split()[0]) <= 1e-4
+    model = AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32)
+    assert (getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", 0)) > 0
+    assert '"status": "ok"' in (run / "summary.json").read_text()

@@ -57,7 +57,7 @@ def _cfg(entries, seq_len=32, option=None, verify=False, force=True):
 def test_two_entries_claiming_one_module_is_an_error_naming_both(moe_model):
     cfg = _cfg([("moe_fast", EXPERTS), ("moe_reference", "type:GroupedExperts")])
     with pytest.raises(ConfigError) as e:
-        resolve(moe_model, cfg, CPU)
+        resolve(moe_model, cfg, CPU, dtype="float32")
     assert str(e.value).startswith(
         "kernel entries 'moe_fast' and 'moe_reference' both claim module 'layers.0.moe.routed_experts.inner_experts'"
     ), str(e.value)
@@ -69,7 +69,7 @@ def test_a_target_missing_the_kernels_modules_is_one_config_error(moe_model):
     model before any worker starts: tests/test_resolve.py)."""
     cfg = _cfg([("moe_fast", EXPERTS), ("rope_fast", "layers.*.mlp.rope")])
     with pytest.raises(ConfigError) as e:
-        resolve(moe_model, cfg, CPU)
+        resolve(moe_model, cfg, CPU, dtype="float32")
     assert str(e.value) == ("kernel entry 'rope_fast' (target 'layers.*.mlp.rope') matches none of the model's 4 "
                             "CosSinRoPE modules (e.g. 'layers.0.attention.rope'); fix the target: an fnmatch pattern "
                             "over module names, or type:<class>")
@@ -81,19 +81,19 @@ def test_an_entry_for_modules_the_model_lacks_warns_with_entry_and_pattern(moe_m
     for target in (EXPERTS, "type:GroupedExperts"):  # a path; the shipped conf/kernels/moe_fast.yaml's class target
         with pytest.warns(KernelMatchWarning, match=rf"kernel entry 'moe_fast' \(target '{re.escape(target)}'\) "
                                                     r"matches no module"):
-            plan = resolve(attention, _cfg([("moe_fast", target)]), CPU)
+            plan = resolve(attention, _cfg([("moe_fast", target)]), CPU, dtype="float32")
         assert plan == {"moe_fast": []}
 
 
 def test_pattern_only_claims_the_kernels_module_type(moe_model):
-    plan = resolve(moe_model, _cfg([("rope_fast", "layers.*")]), CPU)  # broad pattern: only CosSinRoPE
+    plan = resolve(moe_model, _cfg([("rope_fast", "layers.*")]), CPU, dtype="float32")  # broad pattern: only CosSinRoPE
     assert plan["rope_fast"] == [f"layers.{i}.attention.rope" for i in range(4)]
 
 
 def test_neuron_kernel_on_cpu_is_a_device_error(moe_model):
     with pytest.raises(ConfigError, match=r"^kernels=nki_moe needs device neuron \(kernel nki_moe\); this run's "
                        r"device is cpu; .*kernels=moe_fast"):
-        resolve(moe_model, _cfg([("nki_moe", EXPERTS)], seq_len=256, option="nki_moe"), CPU)
+        resolve(moe_model, _cfg([("nki_moe", EXPERTS)], seq_len=256, option="nki_moe"), CPU, dtype="float32")
 
 
 def test_seq_len_multiple_of_128_x_lnc(moe_model, monkeypatch):
@@ -102,29 +102,29 @@ def test_seq_len_multiple_of_128_x_lnc(moe_model, monkeypatch):
     pretend_neuron_packages(monkeypatch)  # a simulated Neuron host (the package check passes)
     neuron = SimpleNamespace(type="neuron", lnc=2)
     with pytest.raises(ConfigError) as e:
-        resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=300, option="nki_rope"), neuron)
+        resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=300, option="nki_rope"), neuron, dtype="float32")
     assert str(e.value) == (
         "kernels=nki_rope needs data.seq_len to be a multiple of 128 × LNC = 256; got 300 (e.g. data.seq_len=512 or 256)"
     )
     with pytest.raises(ConfigError, match=r"multiple of 128 × LNC = 128; got 300"):
         resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=300, option="nki_rope"),
-                SimpleNamespace(type="neuron", lnc=1))
+                SimpleNamespace(type="neuron", lnc=1), dtype="float32")
     with pytest.raises(ConfigError, match=r"needs LNC in \[1, 2\] .*got 4"):
         resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=512, option="nki_rope"),
-                SimpleNamespace(type="neuron", lnc=4))
-    plan = resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=512, option="nki_rope"), neuron)
+                SimpleNamespace(type="neuron", lnc=4), dtype="float32")
+    plan = resolve(moe_model, _cfg([("nki_rope", "type:CosSinRoPE")], seq_len=512, option="nki_rope"), neuron, dtype="float32")
     assert len(plan["nki_rope"]) == 4  # requirements met (nki_moe's own checks: tests/test_nki_contract.py)
 
 
 def test_triton_on_cpu_needs_the_interpreter(moe_model, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=r"runs on cpu only under TRITON_INTERPRET=1.*kernels=moe_fast"):
-        resolve(moe_model, _cfg([("triton_moe", EXPERTS)], option="triton_moe"), CPU)
+        resolve(moe_model, _cfg([("triton_moe", EXPERTS)], option="triton_moe"), CPU, dtype="float32")
 
 
 def test_unknown_kernel_and_unknown_option(moe_model):
     with pytest.raises(ConfigError, match=r"unknown kernel 'moe_fastest'; known kernels: \["):
-        resolve(moe_model, _cfg([("moe_fastest", EXPERTS)]), CPU)
+        resolve(moe_model, _cfg([("moe_fastest", EXPERTS)]), CPU, dtype="float32")
 
 
 def test_apply_prints_plan_and_swaps_classes(capsys):
@@ -133,7 +133,7 @@ def test_apply_prints_plan_and_swaps_classes(capsys):
 
     model = NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 32, 0).model
     keys = list(model.state_dict())
-    plan = apply_overrides(model, _cfg([("moe_fast", EXPERTS), ("rope_fast", "type:CosSinRoPE")], option="fast", verify=True), CPU)
+    plan = apply_overrides(model, _cfg([("moe_fast", EXPERTS), ("rope_fast", "type:CosSinRoPE")], option="fast", verify=True), CPU, dtype="float32")
     out = capsys.readouterr().out
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in out
     assert re.search(r"  moe_fast \[layers\.\*\.moe\.routed_experts\.inner_experts\] -> 4 module\(s\) \(.*; applied: "

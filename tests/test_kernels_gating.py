@@ -58,7 +58,7 @@ def table(monkeypatch):
 def test_slower_here_keeps_the_module_and_says_so_in_one_line(table, capsys):
     table(SLOWER)
     model = _model()
-    plan = apply_overrides(model, _cfg("moe_fast"), CPU)
+    plan = apply_overrides(model, _cfg("moe_fast"), CPU, dtype="float32")
     out = capsys.readouterr().out
     line = (f"  moe_fast [type:GroupedExperts] -> 0 of 4 module(s): measured 0.44x (tiny) / 0.80x (30B-A3B) the "
             f"module's speed on {KIND} float32, slower (RESULTS.md row 17); not applied, keeps GroupedExperts "
@@ -73,7 +73,7 @@ def test_slower_here_keeps_the_module_and_says_so_in_one_line(table, capsys):
 def test_force_applies_it_anyway(table, capsys):
     table(SLOWER)
     model = _model()
-    plan = apply_overrides(model, _cfg("moe_fast", force=True), CPU)
+    plan = apply_overrides(model, _cfg("moe_fast", force=True), CPU, dtype="float32")
     out = capsys.readouterr().out
     assert (f"  moe_fast [type:GroupedExperts] -> 4 module(s) (measured 0.44x (tiny) / 0.80x (30B-A3B) the module's "
             f"speed on {KIND} float32, slower (RESULTS.md row 17); applied: kernels.force=true):") in out, out
@@ -84,7 +84,7 @@ def test_force_applies_it_anyway(table, capsys):
 def test_faster_here_applies_with_its_ratio(table, capsys):
     table(FASTER)
     model = _model()
-    apply_overrides(model, _cfg("moe_fast"), CPU)
+    apply_overrides(model, _cfg("moe_fast"), CPU, dtype="float32")
     out = capsys.readouterr().out
     assert (f"  moe_fast [type:GroupedExperts] -> 4 module(s) (measured 1.50x the module's speed on {KIND} float32, "
             "faster (a test table)):") in out, out
@@ -95,7 +95,7 @@ def test_a_measurement_in_another_dtype_or_device_does_not_count(table, capsys):
     """Faster in float32 on this CPU says nothing of bf16, nor of another CPU kind or a GPU."""
     table((*FASTER, Measured("cuda", "bfloat16", 2.0, "elsewhere")))
     model = _model()
-    apply_overrides(model, _cfg("moe_fast", precision="bf16"), CPU)
+    apply_overrides(model, _cfg("moe_fast", precision="bf16"), CPU, dtype="bfloat16")
     out = capsys.readouterr().out
     assert (f"  moe_fast [type:GroupedExperts] -> 0 of 4 module(s): not measured on {KIND} bfloat16; not applied, "
             "keeps GroupedExperts (kernels.force=true applies it)") in out, out
@@ -105,7 +105,7 @@ def test_a_measurement_in_another_dtype_or_device_does_not_count(table, capsys):
 
 def test_the_reference_is_always_applied(capsys):
     model = _model()
-    plan = apply_overrides(model, _cfg("moe_reference", option="reference"), CPU)
+    plan = apply_overrides(model, _cfg("moe_reference", option="reference"), CPU, dtype="float32")
     assert len(plan["moe_reference"]) == 4 and not plan.kept
     assert KERNELS["moe_reference"].reference and not KERNELS["moe_reference"].speed and not KERNELS["nki_moe"].speed
     line = capsys.readouterr().out.split("moe_reference [type:GroupedExperts]")[1].split("\n")[0]

@@ -265,6 +265,11 @@ def tiny_moe():
     return NativeQwen3(ModelConfig(backend="native_moe", flavor="tiny"), torch.device("cpu"), 256, 0).model
 
 
+# The compute dtype a run's PrecisionPlan gives each training.mixed_precision (resolve.PrecisionPlan.compute_dtype):
+# kernels.resolve takes it from the plan; these tests build no run.
+DTYPE = {"bf16": "bfloat16", "none": "float32"}
+
+
 def _cfg(name, target, flavor="30B-A3B", seq_len=256, mp="bf16", options=None, ep=1, tp=1):
     cfg = RunConfig()
     cfg.kernels.entries = [KernelEntry(name=name, target=target, options=options or {})]
@@ -279,7 +284,7 @@ def _cfg(name, target, flavor="30B-A3B", seq_len=256, mp="bf16", options=None, e
 def _one_line_error(model, cfg, device) -> str:
     with pytest.raises(ConfigError) as e, warnings.catch_warnings():
         warnings.simplefilter("ignore", KernelMatchWarning)
-        resolve(model, cfg, device)
+        resolve(model, cfg, device, dtype=DTYPE[cfg.training.mixed_precision])
     msg = str(e.value)
     assert "\n" not in msg
     return msg
@@ -316,12 +321,12 @@ def test_every_kernel_constraint_is_a_one_line_startup_error(big_moe, tiny_moe):
 
 def test_a_config_the_kernels_take_passes_with_the_documented_range_warnings(big_moe):
     with pytest.warns(KernelMatchWarning) as rec:
-        plan = resolve(big_moe, _cfg("nki_moe", EXPERTS), NEURON2)
+        plan = resolve(big_moe, _cfg("nki_moe", EXPERTS), NEURON2, dtype="bfloat16")
     assert len(plan["nki_moe"]) == 48  # every MoE layer of 30B-A3B
     texts = [str(w.message) for w in rec]
     assert any("expert width I_TP=768 is outside moe_cte's documented range 2048..16384" in t for t in texts)
     assert any("128 experts is outside moe_cte's documented range 8..64" in t for t in texts)
-    plan = resolve(big_moe, _cfg("nki_rope", "type:CosSinRoPE", seq_len=512), NEURON2)
+    plan = resolve(big_moe, _cfg("nki_rope", "type:CosSinRoPE", seq_len=512), NEURON2, dtype="bfloat16")
     assert len(plan["nki_rope"]) == 48
 
 
@@ -338,11 +343,11 @@ def test_verify_uses_the_kernel_specs_tolerance(monkeypatch):
     cfg.kernels.force = True  # rope_fast is measured slower on some CPUs: the tolerance is the point here
     cfg.data.seq_len, cfg.data.batch_size = 32, 2
     cpu = SimpleNamespace(type="cpu", lnc=None, torch_device=torch.device("cpu"))
-    plan = apply_overrides(model, cfg, cpu)
-    (check,) = verify_plan(model, plan, cfg, cpu, printer=lambda s: None)
+    plan = apply_overrides(model, cfg, cpu, dtype="float32")
+    (check,) = verify_plan(model, plan, cfg, cpu, printer=lambda s: None, dtype="float32")
     assert check.tol == 1e-5 and check.ok  # the spec's float32 tolerance
     monkeypatch.setattr(KERNELS["rope_fast"], "tolerance", {"float32": 1e-12})
-    (check,) = verify_plan(model, plan, cfg, cpu, printer=lambda s: None)
+    (check,) = verify_plan(model, plan, cfg, cpu, printer=lambda s: None, dtype="float32")
     print(f"rope_fast rel err {max(check.fwd_rel, check.bwd_rel):.2e} vs spec tolerance {check.tol}")
     assert check.tol == 1e-12 and not check.ok  # rounding (~1e-7) now exceeds the spec's tolerance
 
@@ -474,8 +479,8 @@ def test_the_debug_flavor_meets_every_nki_constraint():
     model = NativeQwen3(ModelConfig(backend="native_moe", flavor="nki_debug"), torch.device("meta"), 256, 0).model
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        moe = resolve(model, _cfg("nki_moe", "type:GroupedExperts", flavor="nki_debug"), NEURON2)
-        rope = resolve(model, _cfg("nki_rope", "type:CosSinRoPE", flavor="nki_debug"), NEURON2)
+        moe = resolve(model, _cfg("nki_moe", "type:GroupedExperts", flavor="nki_debug"), NEURON2, dtype="bfloat16")
+        rope = resolve(model, _cfg("nki_rope", "type:CosSinRoPE", flavor="nki_debug"), NEURON2, dtype="bfloat16")
     texts = [str(w.message) for w in rec if issubclass(w.category, KernelMatchWarning)]
     print(f"nki_debug: dim {f.dim}, {f.n_layers} layers, {f.num_experts} experts of width {f.hidden_dim}, "
           f"top-{f.top_k}, head_dim {f.head_dim}; warnings: {texts}")

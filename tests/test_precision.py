@@ -131,3 +131,35 @@ def test_the_precision_walk_is_at_most_six_hops():
         with pytest.raises(RuntimeError, match="does not match the precision plan"):
             sharded.check(policy, master)
     assert isinstance(sharded, PrecisionPlan)
+
+
+def test_the_planner_and_the_readers_read_the_plan_not_the_setting(monkeypatch):
+    """Issue 39 (2): the planner's closed form sized activations from ``training.mixed_precision=bf16 and sharded``,
+    which says bf16 parameter copies for a tp-only layout where torchtitan 0.2.x has no FSDP2 units (autocast, float32
+    activations). It now reads the run's PrecisionPlan: the same resolved tp2 bf16 run, with the 0.2.x plan
+    (autocast) and the 0.3.x plan (FSDP2 bf16 copies), gives float32 activations, twice the bf16 ones (the old rule
+    gave both the same). The kernel registry, its verification and the export no longer compare the setting at all."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from qwen3_research import titan
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.planner import estimate
+    from qwen3_research.resolve import precision_plan, resolve_run
+
+    run = resolve_run(compose_resolved(["parallelism=tp2", "training.mixed_precision=bf16", "device=cpu",
+                                        "data.seq_len=32", "data.batch_size=2"]), plan=True, kernels=False)
+    monkeypatch.setattr(titan, "legacy", lambda: True)
+    v02 = precision_plan("bf16", run.degrees, torchtitan=True)
+    monkeypatch.setattr(titan, "legacy", lambda: False)
+    v03 = precision_plan("bf16", run.degrees, torchtitan=True)
+    assert (v02.mode, v03.mode) == ("autocast_bf16", "fsdp2_bf16_params")
+    old = estimate(dataclasses.replace(run, precision=v02)), estimate(dataclasses.replace(run, precision=v03))
+    print(f"\ntp2 bf16 activations: 0.2.x plan (autocast) {old[0]['activations']} B, 0.3.x plan (FSDP2 bf16) "
+          f"{old[1]['activations']} B")
+    assert old[0]["activations"] == 2 * old[1]["activations"]
+    root = Path(__file__).resolve().parent.parent / "qwen3_research"
+    for reader in ("planner.py", "kernels/registry.py", "kernels/verify.py", "run/export_hf.py"):
+        code = "\n".join(ln.split("#")[0] for ln in (root / reader).read_text().splitlines())
+        assert not re.search(r"mixed_precision\W*(==|!=|in\b)", code), reader

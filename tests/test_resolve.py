@@ -152,3 +152,25 @@ def test_a_resume_checks_its_run_dir_and_checkpoint_once(tmp_path):
     calls = _logged_run([*base, "training.steps=4", "checkpoint.resume=auto"], run_dir, log)
     main = [c for (_, role), c in calls.items() if role == "main"]
     assert main == [{"compose": 1, "resolve_run": 1, "check_run_dir": 1, "checkpoint.preflight": 1}], calls
+
+
+def test_a_sweep_resolves_each_point_once_per_process(tmp_path):
+    """A 2-point sweep (data.seq_len=32,64: two plans, nothing shared between the points): each point is resolved
+    once in all, by its plan (``sweep.plan_points``, in the forked child that traces it), and that resolution is
+    the one its run starts from; the launcher does not resolve it again. It used to be 2 per point: the plan's, then
+    ``launch.elastic.run(resolved=None)``'s."""
+    from tests.conftest import assert_ok, cli_env
+
+    log, sweep_dir = tmp_path / "calls.log", tmp_path / "sweep"
+    args = ["-m", "data.seq_len=32,64", *[a for a in FAST if not a.startswith("data.seq_len")], "training.steps=2",
+            f"hydra.sweep.dir={sweep_dir}"]
+    proc = run_cli(args, env=cli_env(QWEN3_RESEARCH_CALL_LOG=str(log)))
+    assert_ok(proc)
+    calls = _calls(log)
+    points = 2
+    resolves = sum(c.get("resolve_run", 0) for c in calls.values())
+    per_process = {pid: c.get("resolve_run", 0) for (pid, _), c in calls.items()}
+    print(f"\n2-point sweep: {resolves} resolve_run calls in all, {resolves / points:g} per point; per process: "
+          f"{per_process}")
+    assert resolves == points, calls  # once per point
+    assert all(n <= points for n in per_process.values()), calls

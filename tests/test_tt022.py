@@ -289,8 +289,8 @@ def test_nki_kernels_install_and_verify_against_the_contract_doubles(option, mon
     where = torch.device("meta") if option == "nki_moe" else torch.device("cpu")
     model = build(rc.model, where, seq_len=256, seed=0).model
     dbl.LAUNCHES.clear()
-    plan = apply_overrides(model, rc, device)
-    checks = verify_plan(model, plan, rc, device)
+    plan = apply_overrides(model, rc, device, dtype="bfloat16")
+    checks = verify_plan(model, plan, rc, device, dtype="bfloat16")
     fqns = plan[option]
     print(f"\n[torchtitan {titan.version()}] {option}: {len(fqns)} module(s) from {fqns[0]}; "
           + "; ".join(f"{c.shapes} fwd rel {c.fwd_rel:.1e} bwd rel {c.bwd_rel:.1e} tol {c.tol:.0e}" for c in checks))
@@ -321,8 +321,8 @@ def test_kernels_fast_finds_the_experts_and_rope_of_this_torchtitan():
     devices.prepare_torchtitan("cpu")
     model = build(rc.model, torch.device("cpu"), seq_len=32, seed=0).model
     device = SimpleNamespace(type="cpu", lnc=None, torch_device=torch.device("cpu"))
-    plan = apply_overrides(model, rc, device)
-    checks = verify_plan(model, plan, rc, device)
+    plan = apply_overrides(model, rc, device, dtype="bfloat16")
+    checks = verify_plan(model, plan, rc, device, dtype="bfloat16")
     print(f"\n[torchtitan {titan.version()}] kernels=fast: " + "; ".join(f"{k}: {len(v)} from {v[0]}" for k, v in plan.items())
           + " | " + "; ".join(f"{c.shapes} fwd rel {c.fwd_rel:.1e} tol {c.tol:.0e} {'ok' if c.ok else 'FAIL'}" for c in checks))
     experts = "layers.0.moe.experts" if LEGACY else "layers.0.moe.routed_experts.inner_experts"

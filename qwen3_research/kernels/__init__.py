@@ -1,6 +1,6 @@
 """Kernel overrides: the registry (``registry.py``, a leaf) and the kernels that register into it.
 
-``apply_overrides(model, cfg, device) -> {entry: [module FQN, ...]}`` is what the Trainer calls
+``apply_overrides(model, cfg, device, dtype=...) -> {entry: [module FQN, ...]}`` is what the Trainer calls
 before sharding. Kernels: ``moe_fast``/``rope_fast`` (CPU and CUDA, torch ops),
 ``triton_moe``/``triton_rope`` (CUDA; CPU under TRITON_INTERPRET=1), ``nki_moe``/``nki_rope``
 (Trainium; torch_neuronx imported only when installed). See docs/KERNELS.md.
@@ -19,11 +19,12 @@ __all__ = ["KERNELS", "KernelMatchWarning", "apply_overrides", "format_plan", "k
            "resolve", "load"]
 
 
-def apply_overrides(model, cfg, device):
-    """Resolve, check, install; print and log the plan; verify if ``kernels.verify``. Before sharding."""
-    plan = install(model, resolve(model, cfg, device), cfg, device)
+def apply_overrides(model, cfg, device, *, dtype: str):
+    """Resolve, check, install; print and log the plan; verify if ``kernels.verify``. Before sharding. ``dtype``: the
+    run's compute dtype (``resolve.PrecisionPlan.compute_dtype``)."""
+    plan = install(model, resolve(model, cfg, device, dtype=dtype), cfg, device)
     if cfg.kernels.verify:
-        verify_plan(model, plan, cfg, device, raise_on_fail=True)
+        verify_plan(model, plan, cfg, device, dtype=dtype, raise_on_fail=True)
     return plan
 
 

@@ -133,13 +133,6 @@ def _cpu_kind() -> str:
     return f"cpu-{devices.cpu_isa()}"  # the CPU's features are the devices package's (devices/cpu.py)
 
 
-def run_dtype(cfg) -> str:
-    """The compute dtype of a resolved run's config (``resolve.auto_settings`` filled in ``auto``; the run's
-    ``PrecisionPlan.compute_dtype`` says the same): bfloat16 under ``training.mixed_precision=bf16`` (autocast on one
-    process, FSDP2 bf16 parameters when sharded), else float32."""
-    return "bfloat16" if getattr(cfg.training, "mixed_precision", "none") == "bf16" else "float32"
-
-
 def speed_note(spec: KernelSpec, kind: str, dtype: str, table=None) -> tuple[bool, str]:
     """(faster here, the plan's note) from the kernel's measurements (``table``, default ``spec.measured``) on this
     device kind and dtype: faster only where every shape measured there was faster."""
@@ -272,9 +265,10 @@ def _find_spec(util, name: str):
         return None
 
 
-def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
-    """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match). A speed kernel
-    (``KernelSpec.speed``) not measured faster on this device kind and the run's dtype keeps its modules
+def resolve(model: nn.Module, cfg, device, *, dtype: str, gate: bool = True) -> KernelPlan:
+    """Entry -> matched module FQNs, after all checks (raises ConfigError; warns on no match). ``dtype``: the run's
+    compute dtype, as its precision plan decided it (``resolve.PrecisionPlan.compute_dtype``: float32 or bfloat16).
+    A speed kernel (``KernelSpec.speed``) not measured faster on this device kind and ``dtype`` keeps its modules
     (``plan.kept``; the plan says so in one line) unless ``kernels.force=true`` or ``gate=False``
     (verify_kernels checks what the kernel computes, applied or not)."""
     device = _effective(device)
@@ -328,7 +322,7 @@ def resolve(model: nn.Module, cfg, device, *, gate: bool = True) -> KernelPlan:
     out = KernelPlan(plan)
     out.speed, out.kept = {}, {}
     force = bool(getattr(kc, "force", False)) or not gate
-    kind, dtype = device_kind(device.type), run_dtype(cfg)
+    kind = device_kind(device.type)
     for label, entry in entry_labels(kc.entries):
         spec = KERNELS[entry.name]
         if not plan.get(label) or spec.reference:

@@ -7,7 +7,7 @@ Error measure per tensor: max |kernel - reference| (abs) and abs / max |referenc
 Backward covers every differentiable input (MoE: x, w1, w2, w3; RoPE: x) under one random
 upstream gradient; the worst tensor is reported. A kernel passes when fwd and bwd rel <= its
 ``KernelSpec.tolerance`` for the dtype the check computed in (defaults: 1e-5 float32, 2e-2 bfloat16), which is
-the run's compute dtype (``registry.run_dtype``: bfloat16 under ``training.mixed_precision=bf16``) unless the
+the run's compute dtype (its precision plan's, ``resolve.PrecisionPlan.compute_dtype``) unless the
 kernel fixes its own (``options.dtype``, the NKI MoE kernels' bfloat16).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qwen3_research.errors import ConfigError
-from qwen3_research.kernels.registry import KERNELS, entry_labels, run_dtype
+from qwen3_research.kernels.registry import KERNELS, entry_labels
 
 
 @dataclass
@@ -61,7 +61,7 @@ def random_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generat
     return torch.bincount(ids.flatten(), minlength=num_experts)
 
 
-def run_shapes(model, cfg) -> dict:
+def run_shapes(model, cfg, dtype: str) -> dict:
     """Shapes of this run per rank: tokens per micro-batch, heads, experts' top-k."""
     top_k = next((m.top_k for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"), 1)
     n_heads = next((m.n_heads for m in model.modules() if hasattr(m, "n_heads") and hasattr(m, "rope")), 1)
@@ -69,13 +69,15 @@ def run_shapes(model, cfg) -> dict:
         "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "tokens": cfg.data.batch_size * cfg.data.seq_len,
         "top_k": top_k, "n_heads": n_heads, "seed": cfg.training.seed,
         # the compute dtype the run resolves to: each kernel is checked in it, against its own tolerance for it
-        "dtype": torch.bfloat16 if run_dtype(cfg) == "bfloat16" else torch.float32,
+        "dtype": getattr(torch, dtype),
     }
 
 
-def verify_plan(model, plan: dict, cfg, device, *, raise_on_fail: bool = False, printer=print) -> list[Check]:
-    """One check per kernel entry (on its first matched module: all share shapes). Prints a table."""
-    shapes = run_shapes(model, cfg)
+def verify_plan(model, plan: dict, cfg, device, *, dtype: str, raise_on_fail: bool = False, printer=print
+                ) -> list[Check]:
+    """One check per kernel entry (on its first matched module: all share shapes), in ``dtype`` (the run's compute
+    dtype: ``resolve.PrecisionPlan.compute_dtype``). Prints a table."""
+    shapes = run_shapes(model, cfg, dtype)
     mods = dict(model.named_modules())
     checks: list[Check] = []
     for label, entry in entry_labels(cfg.kernels.entries):
@@ -86,7 +88,7 @@ def verify_plan(model, plan: dict, cfg, device, *, raise_on_fail: bool = False, 
         for shp, fa, fr, ba, br, dtype in spec.verify(mods[fqns[0]], shapes, device, dict(entry.options or {})):
             tol = spec.tolerance.get(dtype, 0.0)  # the spec's own tolerance; none stated for this dtype -> FAIL
             checks.append(Check(entry.name, label, fqns[0], shp, fa, fr, ba, br, tol))
-    printer(format_checks(checks, run_dtype(cfg)))
+    printer(format_checks(checks, dtype))
     failed = [c for c in checks if not c.ok]
     if failed and raise_on_fail:
         c = failed[0]

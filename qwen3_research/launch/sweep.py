@@ -12,10 +12,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from qwen3_research import devices
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
-from qwen3_research.config import WandbConfig, to_run_config, validate
+from qwen3_research.config import WandbConfig
 from qwen3_research.errors import ConfigError
 from qwen3_research.report import EXIT_SOME_FAILED, POINT_COLUMNS, best_point_line, find_runs, report, sweep_points
+from qwen3_research.resolve import ResolvedRun, planned_elsewhere, resolve_run
 from qwen3_research.signals import Interrupted, signal_number
 from qwen3_research.startup import quiet_libraries
 
@@ -38,7 +40,13 @@ class SweepReport(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.t0 = time.perf_counter()
         if config.get("sweep") is not None and config.sweep.plan:
-            in_a_forked_child(lambda: plan_points(config, Path(config.hydra.sweep.dir)))
+            def plan() -> dict:
+                resolutions: dict = {}
+                plan_points(config, Path(config.hydra.sweep.dir), resolutions=resolutions)
+                return resolutions
+
+            _POINT_RESOLUTIONS.clear()
+            _POINT_RESOLUTIONS.update(in_a_forked_child(plan))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -205,9 +213,24 @@ def plan_key(composed: dict) -> str:
     return json.dumps(trimmed, sort_keys=True, default=str)
 
 
-def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
-    """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Points whose
-    configs differ only in ``PLAN_FREE_KEYS`` are traced once; each point's own values are still validated."""
+# Each point's one resolution, made by its plan (``plan_points``, in the forked child) and handed back: point key ->
+# (the composed config it resolved, the resolution). The point's run starts from it (``prepare_point``) when it runs
+# that config in this process (Hydra's basic launcher); otherwise the launcher resolves the point itself.
+_POINT_RESOLUTIONS: dict[str, tuple[dict, ResolvedRun]] = {}
+
+
+def resolve_point(composed: dict) -> tuple[ResolvedRun, bool]:
+    """A sweep point's resolution for its plan, and whether its run can start from it: resolved as the run resolves
+    it (``launch.elastic.run``), or, for a device this host lacks, as a plan (the run is then refused here)."""
+    if planned_elsewhere((composed.get("device") or {}).get("type", "auto")):
+        return resolve_run(composed, plan=True), False
+    return resolve_run(composed, prepare=devices.prepare_launch), True  # a fork's (or this point's own) environment
+
+
+def plan_points(config: DictConfig, sweep_dir: Path, echo=print, resolutions: dict | None = None) -> dict:
+    """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Each point is
+    resolved once (``resolve_point``; ``resolutions`` gets those its run can start from, by point key); points whose
+    configs differ only in ``PLAN_FREE_KEYS`` are traced once."""
     # deferred: start-up (__main__ imports this module for override parsing; the plan loads torch)
     from qwen3_research import fit, planner
 
@@ -230,12 +253,14 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print) -> dict:
         label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
         try:
             composed = compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
+            run, runnable = resolve_point(composed)  # its own seed, lr, … too where the plan is shared
+            if runnable and resolutions is not None:
+                resolutions[_point_key(job)] = (composed, run)
             key = plan_key(composed)
             if key in planned:
-                validate(to_run_config(composed))  # its own seed, lr, … (the shared plan checked another point's)
                 entry = dict(planned[key])
             else:
-                plan = planner.make_plan(composed)
+                plan = planner.make_plan(run)
                 entry = plan.as_dict()
                 if not plan.fits and config.sweep.plan == "fit":
                     entry = _fitted(entry, composed, list(job), swept)
@@ -319,11 +344,25 @@ def _interrupted_checkpoint(cfg: DictConfig, run_path: Path, summary: dict) -> P
         return None
 
 
+def point_resolution(cfg: DictConfig, task_overrides) -> ResolvedRun | None:
+    """The resolution this point's plan made (``plan_points``), when the point runs the config it resolved; its
+    environment is prepared here, as resolving it here would have (``device.prepare_launch``). None: the launcher
+    resolves the point."""
+    found = _POINT_RESOLUTIONS.get(_point_key(task_overrides))
+    if found is None:
+        return None
+    composed, run = found
+    if OmegaConf.to_container(cfg, resolve=True) != composed:  # resumed or adjusted to fit: another config
+        return None
+    devices.prepare_launch(run.device_type, run.lnc, run.world_size)
+    return run
+
+
 def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
-                  ) -> tuple[dict | None, dict, DictConfig]:
+                  ) -> tuple[dict | None, dict, DictConfig, ResolvedRun | None]:
     """Before a sweep point starts: (its summary when it must not run, its prediction, the config to run it
     with: ``cfg`` itself, or a copy with ``checkpoint.resume=auto`` for an interrupted attempt; the composed
-    config is never written).
+    config is never written; the resolution its plan made of that config, ``point_resolution``, or None).
 
     Skips a point whose summary.json already says ok (``sweep.resume``), and a point planned
     not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside.
@@ -337,12 +376,12 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
             old = {}
         if old.get("status") == "ok":
             print(f"sweep point {run_path.name}: already ok (summary.json), not run again", flush=True)
-            return old, old.get("prediction") or {}, cfg
+            return old, old.get("prediction") or {}, cfg, None
         resume_from = _interrupted_checkpoint(cfg, run_path, old)
         if resume_from is not None:  # stopped by a signal after saving: continue it, as a run resumes
             resumed = OmegaConf.merge(cfg, {"checkpoint": {"resume": "auto"}})  # a new config, as an override would
             print(f"sweep point {run_path.name}: resuming the interrupted attempt from {resume_from}", flush=True)
-            return None, old.get("prediction") or {}, resumed
+            return None, old.get("prediction") or {}, resumed, None
     entry = {}
     plan_path = Path(sweep_dir) / PLAN_FILE
     if plan_path.is_file():
@@ -368,5 +407,5 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(summary_path)
         print(f"sweep point {run_path.name}: skipped: {reason}", flush=True)
-        return summary, prediction, cfg
-    return None, prediction, cfg
+        return summary, prediction, cfg, None
+    return None, prediction, cfg, point_resolution(cfg, task_overrides)

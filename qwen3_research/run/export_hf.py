@@ -3,7 +3,7 @@ possibly sharded model into ``<run dir>/hf``) or from a saved DCP checkpoint (``
 this module is that command's heavy half, which it imports once its arguments are read).
 
 Both compute the trained model's reference logits on held-out tokens (``reference_logits``, in the dtype the
-model computes in: ``compute_dtype``) and hand them to the built model's own export (``ModelBackend.export_hf``:
+forward computes in: ``compute_dtype``, and a run's ``PrecisionPlan``) and hand them to the built model's own export (``ModelBackend.export_hf``:
 ``models/native/hf_export.py``, ``models/hf/export.py``), which writes, verifies against transformers' reload and
 publishes. The export command rebuilds the model from the checkpoint's run config (an init_from model's
 architecture from its config.json; ``--init-from`` names that directory when it has moved since training) and
@@ -42,15 +42,13 @@ def held_out_inputs(data) -> torch.Tensor:
     return batches[0].inputs if batches else data.train_batch(0, 0, 1, 0, 1, 0).inputs
 
 
-def compute_dtype(cfg, backend, precision: dict | None = None) -> str:
-    """float32, or bfloat16 where the trained model computes in it: FSDP2's bf16 parameters (``precision``, the
-    Trainer's plan: the reference forward gathers bf16 copies, so its logits carry bf16 rounding against the float32
-    reload: 2-3e-2 on tiny, tp2 bf16), or torchtitan's MoE experts (no fp32 expert kernel installed)."""
-    if (precision or {}).get("param_dtype") == "bfloat16":
-        return "bfloat16"
+def compute_dtype(cfg, backend) -> str:
+    """The dtype an unsharded float32 model computes its forward in: float32, or bfloat16 for torchtitan's MoE experts
+    (``GroupedExperts`` casts to bfloat16) unless a float32 expert kernel is installed (``cfg.kernels.entries``;
+    None: the model has no kernels)."""
     if not getattr(backend, "is_moe", False):
         return "float32"
-    for entry in cfg.kernels.entries or []:
+    for entry in (cfg.kernels.entries or []) if cfg is not None else []:
         if kernel_replaces(entry.name, "GroupedExperts") and (entry.options or {}).get("dtype", "input") in ("input", "float32"):
             return "float32"
     return "bfloat16"
@@ -68,20 +66,56 @@ def reference_logits(backend, inputs: torch.Tensor, compute_dtype: str) -> tuple
     return logits.float(), "float32" if f32 else compute_dtype
 
 
-def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torch.device, tokenizer,
-                   compute_dtype: str) -> dict | None:
-    """A run's model (possibly sharded) -> ``out_dir``, verified against its own logits on ``inputs``.
+def _float32_copy(backend, cfg):
+    """Rank 0's unsharded float32 copy of a sharded run's model, holding its trained (float32 master) weights
+    (gathered: collective), for the reference forward; None on the other ranks. FSDP2 under
+    ``training.mixed_precision=bf16`` gathers bfloat16 copies for every forward, so the run's own model cannot compute
+    in float32, and its bf16 logits differ from transformers' float32 reload by 0.067 on tiny_moe (near-tie routing),
+    more than bfloat16's tolerance. No kernel is installed in the copy."""
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    full = {}
+    # state_dict() as the export's own gather reads it (torchtitan 0.3's fused QKV renames its keys on save, which
+    # DCP's get_model_state_dict cannot walk); every rank takes part in each full_tensor
+    for k, v in backend.model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if main:
+            full[k] = v.detach().to("cpu", torch.float32)
+    if not main:
+        return None
+    copy = models.build(cfg.model, torch.device("cpu"), seq_len=cfg.data.seq_len, seed=cfg.training.seed,
+                        load_init_from=False)
+    if hasattr(copy, "materialize"):
+        copy.materialize()
+    copy.model.load_state_dict(full, strict=True)
+    copy.model.eval()
+    return copy
 
-    Collective: the reference forward on every rank, then the sharded write and verification.
+
+def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torch.device, tokenizer, cfg,
+                   precision) -> dict | None:
+    """A run's model (possibly sharded) -> ``out_dir``, verified against its own logits on ``inputs``, computed in
+    the dtype the run's ``PrecisionPlan`` (``precision``) gives its forward: where FSDP2 gathers bfloat16 parameters
+    (``param_dtype``), on an unsharded float32 copy of the trained weights (``_float32_copy``) instead, so the
+    export is held to float32's tolerance, as the same checkpoint's standalone export is; else on the model itself.
+
+    Collective: the reference forward (or the copy's gather) on every rank, then the sharded write and verification.
     ``tokenizer``: the run's (``data.Tokenizer``: its file and end-of-text id go with the export).
     """
     model = backend.model
     model.eval()
-    logits, compute_dtype = reference_logits(backend, inputs.to(device), compute_dtype)
+    if precision.param_dtype == "bfloat16":
+        copy = _float32_copy(backend, cfg)
+        if copy is None:  # only rank 0 verifies the reload
+            logits, dtype = torch.empty(0), "float32"
+        else:
+            logits, dtype = reference_logits(copy, inputs, compute_dtype(None, copy))
+            del copy
+    else:
+        logits, dtype = reference_logits(backend, inputs.to(device), compute_dtype(cfg, backend))
     model.train()
     logits = logits.cpu()
     return backend.export_hf(out_dir, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
-                             reference_logits=logits, compute_dtype=compute_dtype)
+                             reference_logits=logits, compute_dtype=dtype)
 
 
 # -- from a saved checkpoint (python -m qwen3_research.export) ---------------------------------
