@@ -86,9 +86,11 @@ def compute_dtype(run: ResolvedRun) -> torch.dtype:
     return getattr(torch, run.precision.compute_dtype)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Step:
-    """The parts of one training step (built by ``build_step``) and its one order (``__call__``)."""
+    """The parts of one training step (built by ``build_step``) and its one order (``__call__``).
+
+    Keyword-only: a field added later cannot shift the others' values."""
 
     run: ResolvedRun
     where: Placement
@@ -291,9 +293,14 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     optimizer, scheduler = build_optimizer(backend.model, cfg.optimizer, cfg.training.steps)
     backend.register_optimizer_hooks(optimizer, where.parallel_dims)
     state = TrainState(backend.model, optimizer, scheduler, rank=where.rank)
-    return Step(run, where, tokenizer, data, layout, dp_rank, dp_size, eval_every, backend, kernel_plan, loss_scale,
-                routing, precision, autocast, compiled, cross_entropy, optimizer, scheduler, state,
-                fault=None if where.trace else cfg.training.fault)
+    return Step(
+        run=run, where=where,
+        tokenizer=tokenizer, data=data, data_layout=layout, dp_rank=dp_rank, dp_size=dp_size, eval_every=eval_every,
+        backend=backend, kernel_plan=kernel_plan, loss_scale=loss_scale, routing=routing,
+        precision=precision, autocast=autocast, compiled=compiled, cross_entropy=cross_entropy,
+        optimizer=optimizer, scheduler=scheduler, state=state,
+        fault=None if where.trace else cfg.training.fault,
+    )
 
 
 def dp_coordinates(degrees: Degrees, parallel_dims) -> tuple[int, int]:
