@@ -4,7 +4,7 @@ Two Trainers of the same run (``model=native_moe``, ``model.moe.balance=none``, 
 turns step by step: one with ``model.moe.routing_stats=true`` (the router hooks count every training forward, and
 every step is a logged step: ``RoutingMonitor.log_fields`` reduces the counts and builds the figures, the worst
 case, ``training.log_every=1``), one with ``routing_stats=false`` (no monitor at all). Each timed call is one
-``train_step`` (+ ``log_fields`` for the first); the ratio is with / without, per repeat, of the process's CPU
+step (``trainer.step()``, + ``log_fields`` for the first); the ratio is with / without, per repeat, of the process's CPU
 time (``time.process_time``: what the step itself cost, robust to other processes on a shared machine) and of the
 wall time. Beside it, the hooks' and ``log_fields``' own wall time, timed inside them, as a share of the step.
 

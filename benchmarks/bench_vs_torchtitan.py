@@ -2,9 +2,9 @@
 
 One process, two real training loops taking turns step by step: ours (``Trainer.train()``) in
 the main thread, torchtitan's (``torchtitan.trainer.Trainer.train()``, CPU workarounds in
-``_tt_trainer.py``) in a second thread. A baton passed at each step call (ours: ``trainer.step()``; torchtitan's: ``train_step``) lets only
-one loop run at a time; each loop's iteration is timed while it holds the baton (so it
-includes that loop's own logging, LR schedule, checkpoint/validation checks, GC policy).
+``_tt_trainer.py``) in a second thread. A baton passed at each step call (ours: ``trainer.step()``;
+torchtitan's: ``train_step``) lets only one loop run at a time; each loop's iteration is timed while it
+holds the baton (so it includes that loop's own logging, LR schedule, checkpoint/validation checks, GC policy).
 Same tokens (torchtitan gets a dataloader over our batches), AdamW foreach with the same
 hyper-parameters, grad clipping 1.0, fp32, logging every step in both.
 

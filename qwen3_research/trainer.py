@@ -69,8 +69,8 @@ class Trainer:
         self.step = step = build_step(run, where, run_dir=self.run_dir)
         self.checkpointer = Checkpointer(
             step.state, cfg.checkpoint, run_dir=self.run_dir, total_steps=cfg.training.steps,
-            layout=run.degrees.describe(), data_layout=step.data_layout, config=dataclasses.asdict(cfg), rank=where.rank,
-            world_size=where.world_size,
+            layout=run.degrees.describe(), data_layout=step.data_layout, config=dataclasses.asdict(cfg),
+            rank=where.rank, world_size=where.world_size,
         )
         self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
                                  wandb_name=info.wandb_name, swept=info.swept)
@@ -146,7 +146,9 @@ class Trainer:
         self.checkpointer.maybe_resume()
         if cfg.checkpoint.resume:
             self.sinks.resume_at(step.state.step)  # steps after the checkpoint are trained again
-        config = {**self.resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self.resolved_config
+        config = self.resolved_config
+        if self.info.prediction:
+            config = {**config, "memory_plan": self.info.prediction}
         self.sinks.start(config, {**self.summary(), "plan": step.kernel_plan or "none"})
         tokens_per_step = cfg.data.batch_size * step.dp_size * t.grad_accum * cfg.data.seq_len
         self.where.device.peak_flops(compute_dtype(self.run))  # measured (CPU) before the first step, not inside it
@@ -227,7 +229,7 @@ class Trainer:
     def _finish(self, progress: _Progress) -> dict:
         """The device profiler's files, the final checkpoint, the export (checkpoint.export_hf), the summary."""
         cfg, t, state = self.cfg, self.cfg.training, self.step.state
-        if not self.where.device.spec.torch_profiler and cfg.profiling.steps:  # what the device runtime's profiler wrote
+        if not self.where.device.spec.torch_profiler and cfg.profiling.steps:  # what the device's own profiler wrote
             self._log_profiles(barrier=True)
         self.checkpointer.finish()
         if cfg.checkpoint.export_hf:
@@ -267,7 +269,8 @@ class Trainer:
         step, state, world_size = self.step, self.step.state, self.where.world_size
         tps = tokens_per_second(tokens_per_step, dt)
         # a CPU peak measured while the cores were shared is too low: the run's own rate raises it (never MFU > 1)
-        peak = self.where.device.observed_flops(compute_dtype(self.run), step.backend.flops_per_token * tps / world_size)
+        flops_per_s = step.backend.flops_per_token * tps / world_size
+        peak = self.where.device.observed_flops(compute_dtype(self.run), flops_per_s)
         rows = self._memory_rows()
         record = {
             "step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,

@@ -30,7 +30,8 @@ import sys
 FAULT_ENV = "QWEN3_TEST_FAULT"
 FAULT = re.compile(r"^(raise|nan|kill|term|oom)@[1-9][0-9]*(:rank[0-9]+)?$")
 VALIDATE_ONLY_ENV = "QWEN3_VALIDATE_ONLY"
-VALIDATE_ONLY_LINE = f"{VALIDATE_ONLY_ENV}=1 (test hook): start-up validation passed; stopping before the device is used"
+VALIDATE_ONLY_LINE = (f"{VALIDATE_ONLY_ENV}=1 (test hook): start-up validation passed; stopping before the device "
+                      "is used")
 
 
 def check_fault(spec: str) -> str:
@@ -47,12 +48,17 @@ def install_from_environment() -> None:
     spec = os.environ.get(FAULT_ENV)
     if spec:
         check_fault(spec)
-        patches["qwen3_research.step"] = lambda m: [setattr(m.Step, k, f) for k, f in fault_methods(m.Step, spec).items()]
+        patches["qwen3_research.step"] = functools.partial(_install_fault, spec=spec)
     if os.environ.get(VALIDATE_ONLY_ENV) == "1":
         patches["qwen3_research.resolve"] = _validate_only_resolution
         patches["qwen3_research.launch.elastic"] = _validate_only_launch
     if patches:
         sys.meta_path.insert(0, _AfterImport(patches))
+
+
+def _install_fault(step_module, spec: str) -> None:
+    for name, method in fault_methods(step_module.Step, spec).items():
+        setattr(step_module.Step, name, method)
 
 
 class _AfterImport:
