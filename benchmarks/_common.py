@@ -117,7 +117,7 @@ def batches_from(trainer, n: int) -> list:
     t = trainer.cfg.training
     out = []
     for s in range(n):
-        b = trainer.data.train_batch(s, 0, 1, 0, 1, t.seed)
+        b = trainer.step.data.train_batch(s, 0, 1, 0, 1, t.seed)
         out.append((b.inputs, b.labels))
     return out
 
@@ -188,5 +188,13 @@ def ratio_per_repeat(res: dict, num: str, den: str) -> list[float]:
 
 def trainer_stepper(trainer):
     def step(i: int):  # i: the caller's count; the Trainer trains its state's next step
-        trainer.train_step()
+        trainer.step()
     return step
+
+
+def hook_step_calls(trainer, hooked) -> None:
+    """Make the loop's step calls (``trainer.step()``, in ``Trainer.train``) call ``hooked()`` instead; ``hooked``
+    calls the original (``type(trainer.step).__call__(trainer.step)``) itself. ``__call__`` is looked up on the
+    type, so the instance gets a subclass of its own."""
+    step = trainer.step
+    step.__class__ = type(f"Hooked{type(step).__name__}", (type(step),), {"__call__": lambda self: hooked()})

@@ -19,10 +19,10 @@ def worker(resolved: dict, run_dir: str) -> dict:
     trainer = Trainer(resolve_run(resolved), RunInfo(run_dir=run_dir))
     try:
         summary = trainer.train()
-        sb = state_bytes(trainer.backend.model, trainer.optimizer)  # after the last step (grads freed)
-        first = trainer.state_bytes or {}  # measured by the Trainer right after the first optimizer step
-        mem = trainer.device.memory()
-        return {"rank": trainer.rank, "params": first.get("params", sb["params"]), "grads": first.get("grads", 0),
+        sb = state_bytes(trainer.step.backend.model, trainer.step.optimizer)  # after the last step (grads freed)
+        first = trainer.step.state_bytes or {}  # measured by the Trainer right after the first optimizer step
+        mem = trainer.where.device.memory()
+        return {"rank": trainer.where.rank, "params": first.get("params", sb["params"]), "grads": first.get("grads", 0),
                 "optimizer": first.get("optimizer", sb["optimizer"]), "total": first.get("total", 0),
                 "peak_rss_gib": mem.peak_gib, "final_loss": summary["final_loss"]}
     finally:

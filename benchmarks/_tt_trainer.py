@@ -113,7 +113,7 @@ def build_tt_trainer(our_trainer, batches, *, steps: int, log_freq: int = 1, dum
 
     apply_cpu_workarounds()
     cfg = our_trainer.cfg
-    flavor = our_trainer.backend.flavor
+    flavor = our_trainer.step.backend.flavor
     spec = dataclasses.replace(model_registry("debugmodel"), flavor=cfg.model.flavor,
                                model=qwen3_model_config(flavor, "sdpa", "cpu"))
     if not flavor.num_experts:

@@ -4,7 +4,7 @@ For each kind (dense ``native/<flavor>``, MoE ``native_moe/<flavor>``) the scrip
 randomly initialised Hugging Face checkpoint with the same architecture
 (``Qwen3Config`` / ``Qwen3MoeConfig`` from ``qwen3_research.export.hf_config_for_flavor``),
 builds two Trainers (native, hf) on the same data, batch and optimizer, and steps them
-alternately (``Trainer.train_step``). MFU uses the measured CPU fp32 matmul peak and the
+alternately (``trainer.step()``, the Trainer's ``step.Step``). MFU uses the measured CPU fp32 matmul peak and the
 same FLOPs/token for both (torchtitan's formula on the native model).
 
     python benchmarks/bench_backends.py            # --quick (default)
@@ -58,13 +58,13 @@ def main(argv=None) -> dict:
         common = [f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch_size}", "training.steps=1000"]
         native = C.build_trainer([f"model={kind}", f"model.flavor={args.flavor}", *common])
         hf = C.build_trainer(["model=hf", f"model.path={hf_dir}", *common])
-        fpt = native.backend.flops_per_token
+        fpt = native.step.backend.flops_per_token
         with C.quiet_stdout():
             res = C.alternate({"native": C.trainer_stepper(native), "hf": C.trainer_stepper(hf)},
                               warmup=args.warmup, repeats=repeats, per=per)
         ratios = C.ratio_per_repeat(res, "hf", "native")
-        print(f"[{kind}/{args.flavor}] params native {native.backend.num_params:,} hf {hf.backend.num_params:,}; "
-              f"FLOPs/token {fpt / 1e6:.1f} M (hf backend's own formula {hf.backend.flops_per_token / 1e6:.1f} M)")
+        print(f"[{kind}/{args.flavor}] params native {native.step.backend.num_params:,} hf {hf.step.backend.num_params:,}; "
+              f"FLOPs/token {fpt / 1e6:.1f} M (hf backend's own formula {hf.step.backend.flops_per_token / 1e6:.1f} M)")
         for name in ("native", "hf"):
             lo, med, hi = C.mmm(res[name]["steps"])
             tps = tokens / med

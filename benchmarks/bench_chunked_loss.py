@@ -45,7 +45,7 @@ def main() -> None:
                 for k in ("full", "chunked")}
     measured = {}
     for k, tr in trainers.items():
-        _, peaks = track_step(tr.train_step, tr.backend.model, tr.optimizer)  # step 1
+        _, peaks = track_step(tr.step, tr.step.backend.model, tr.step.optimizer)  # step 1
         measured[k] = peaks[0]
     print(f"measured peak live tensor bytes (real tensors), seq_len 2048, batch 1: full {measured['full'] / GIB:.3f} GiB, "
           f"chunked {measured['chunked'] / GIB:.3f} GiB, reduction {100 * (1 - measured['chunked'] / measured['full']):.1f} %",
@@ -55,7 +55,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         for k, tr in trainers.items():
             t0 = time.perf_counter()
-            loss, _ = tr.train_step()  # step + 1
+            loss, _ = tr.step()  # step + 1
             times[k].append(time.perf_counter() - t0)
             losses[k].append(loss)
     med = {k: statistics.median(v) for k, v in times.items()}

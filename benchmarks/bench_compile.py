@@ -36,10 +36,10 @@ def one(flavor: str, mode: str, steps: int, seq_len: int, batch: int) -> dict:
     trainer = C.build_trainer(over)
     decision = compiling.CompileDecision(True, "bench", "inductor")
     if mode.startswith("blocks"):
-        what = compiling.apply(trainer.backend.model, decision, fullgraph=False, is_moe=False)
+        what = compiling.apply(trainer.step.backend.model, decision, fullgraph=False, is_moe=False)
         trainer.step.cross_entropy = compiling.compiled_cross_entropy(decision)  # the step's loss (step.Step)
     elif mode == "whole":
-        trainer.backend.model = torch.compile(trainer.backend.model)
+        trainer.step.backend.model = torch.compile(trainer.step.backend.model)
         trainer.step.cross_entropy = compiling.compiled_cross_entropy(decision)  # the step's loss (step.Step)
         what = "whole model + loss"
     else:
@@ -48,7 +48,7 @@ def one(flavor: str, mode: str, steps: int, seq_len: int, batch: int) -> dict:
     c0 = compiling.compile_seconds()
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss, _ = trainer.train_step()
+        loss, _ = trainer.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
     out = {"flavor": flavor, "mode": mode, "what": what, "first_step_s": times[0], "compile_s": compiling.compile_seconds() - c0,

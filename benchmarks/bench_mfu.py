@@ -5,7 +5,7 @@ machine (best square-matmul FLOP/s at the current thread count, ``device.cached_
 for the dtype that does the matmuls (fp32, or bf16 under ``training.mixed_precision=bf16``;
 both figures also against the fp32 peak).
 
-Part A: for each flavor, an fp32 and a bf16 Trainer step alternately (``Trainer.train_step``).
+Part A: for each flavor, an fp32 and a bf16 Trainer step alternately (``trainer.step()``, the Trainer's ``step.Step``).
 Part B: an eager and a ``compile.enable=true`` Trainer on the same flavor; the compiled one's
 first step (the compile) is timed alone, then the two step alternately.
 
@@ -59,8 +59,8 @@ def main(argv=None) -> dict:
     with C.quiet_stdout():
         res = C.alternate({f: C.trainer_stepper(t) for f, t in tr.items()}, warmup=args.warmup, repeats=repeats, per=per)
     for f, t in tr.items():
-        fpt = t.backend.flops_per_token
-        print(f"[native/{f}] params {t.backend.num_params:,}, FLOPs/token {fpt / 1e6:.1f} M")
+        fpt = t.step.backend.flops_per_token
+        print(f"[native/{f}] params {t.step.backend.num_params:,}, FLOPs/token {fpt / 1e6:.1f} M")
         out[(f, "fp32")] = report(f"{f} fp32", res, f, fpt, "fp32")
         t.close()
 
@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     b16 = [f"data.seq_len={args.bf16_seq_len}", f"data.batch_size={args.bf16_batch_size}", "training.steps=1000"]
     t32 = C.build_trainer(["model=native", f"model.flavor={args.bf16_flavor}", *b16])
     t16 = C.build_trainer(["model=native", f"model.flavor={args.bf16_flavor}", "training.mixed_precision=bf16", *b16])
-    fpt = t32.backend.flops_per_token
+    fpt = t32.step.backend.flops_per_token
     with C.quiet_stdout():
         res = C.alternate({"fp32": C.trainer_stepper(t32), "bf16": C.trainer_stepper(t16)},
                           warmup=1, repeats=2, per=1 if not args.full else 2)
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
         flavor = args.compile_flavor
         eager = C.build_trainer(["model=native", f"model.flavor={flavor}", *common])
         comp = C.build_trainer(["model=native", f"model.flavor={flavor}", "compile.enable=true", *common])
-        fpt = eager.backend.flops_per_token
+        fpt = eager.step.backend.flops_per_token
         with C.quiet_stdout():
             compile_s = C.time_call(C.trainer_stepper(comp), 0)
             res = C.alternate({"eager": C.trainer_stepper(eager), "compile": C.trainer_stepper(comp)},

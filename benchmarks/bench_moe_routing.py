@@ -4,7 +4,7 @@ Two Trainers of the same run (``model=native_moe``, ``model.moe.balance=none``, 
 turns step by step: one with ``model.moe.routing_stats=true`` (the router hooks count every training forward, and
 every step is a logged step: ``RoutingMonitor.log_fields`` reduces the counts and builds the figures, the worst
 case, ``training.log_every=1``), one with ``routing_stats=false`` (no monitor at all). Each timed call is one
-``train_step`` (+ ``log_fields`` for the first); the ratio is with / without, per repeat, of the process's CPU
+step (``trainer.step()``, + ``log_fields`` for the first); the ratio is with / without, per repeat, of the process's CPU
 time (``time.process_time``: what the step itself cost, robust to other processes on a shared machine) and of the
 wall time. Beside it, the hooks' and ``log_fields``' own wall time, timed inside them, as a share of the step.
 
@@ -40,25 +40,25 @@ def main(argv=None) -> dict:
         ])
 
     on, off = trainer(True), trainer(False)
-    assert on.routing is not None and off.routing is None
+    assert on.step.routing is not None and off.step.routing is None
     fields, inside = {}, [0.0]
-    routed, log_fields = on.routing._routed, on.routing.log_fields
+    routed, log_fields = on.step.routing._routed, on.step.routing.log_fields
 
     def timed_routed(*a):  # the hooks' own time (the router hooks call it; it is looked up on every call)
         t0 = time.perf_counter()
         routed(*a)
         inside[0] += time.perf_counter() - t0
 
-    on.routing.detach()  # the same hooks again, now timed (no padding hooks on CPU)
-    on.routing.handles, _ = on.backend.attach_router_hooks(timed_routed)
+    on.step.routing.detach()  # the same hooks again, now timed (no padding hooks on CPU)
+    on.step.routing.handles, _ = on.step.backend.attach_router_hooks(timed_routed)
 
     def with_stats() -> None:
-        on.train_step()
+        on.step()
         t0 = time.perf_counter()
         fields.update(log_fields())  # what every logged step adds
         inside[0] += time.perf_counter() - t0
 
-    steps = {"stats": (with_stats, []), "no_stats": (off.train_step, [])}
+    steps = {"stats": (with_stats, []), "no_stats": (off.step, [])}
     shares = []
     for step in range(args.warmup + args.repeats * args.per):
         for name in (("stats", "no_stats") if step % 2 == 0 else ("no_stats", "stats")):

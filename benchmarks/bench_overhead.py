@@ -2,7 +2,7 @@
 
 One process. The Trainer runs its real loop (``Trainer.train()``: data, loss, clip, finiteness
 check, AdamW, LR schedule, memory query, console + metrics.jsonl logging every step); a hook
-on ``train_step`` runs one bare-loop step first, on the same batch, so the two alternate step
+on the step's call (``trainer.step()``) runs one bare-loop step first, on the same batch, so the two alternate step
 by step. A Trainer iteration is timed from the end of the bare step to the next hook call,
 i.e. everything the Trainer does for one step, logging included.
 
@@ -45,18 +45,18 @@ def main(argv=None) -> dict:
     data = C.batches_from(trainer, total)
 
     bare_s: list[float] = []
-    entries: list[float] = []  # when each Trainer.train_step call began (after the bare step)
+    entries: list[float] = []  # when each of the Trainer's step calls began (after the bare step)
     hook_in: list[float] = []
-    original = trainer.train_step
+    original = trainer.step.__call__
 
     def hooked():
         hook_in.append(time.perf_counter())
-        inputs, labels = data[trainer.state.step]
+        inputs, labels = data[trainer.step.state.step]
         bare_s.append(C.time_call(bare.step, inputs, labels))
         entries.append(time.perf_counter())
         return original()
 
-    trainer.train_step = hooked
+    C.hook_step_calls(trainer, hooked)
     with C.quiet_stdout():
         summary = trainer.train()
         end = time.perf_counter()

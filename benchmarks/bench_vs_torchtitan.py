@@ -2,9 +2,9 @@
 
 One process, two real training loops taking turns step by step: ours (``Trainer.train()``) in
 the main thread, torchtitan's (``torchtitan.trainer.Trainer.train()``, CPU workarounds in
-``_tt_trainer.py``) in a second thread. A baton passed at each ``train_step`` call lets only
-one loop run at a time; each loop's iteration is timed while it holds the baton (so it
-includes that loop's own logging, LR schedule, checkpoint/validation checks, GC policy).
+``_tt_trainer.py``) in a second thread. A baton passed at each step call (ours: ``trainer.step()``;
+torchtitan's: ``train_step``) lets only one loop run at a time; each loop's iteration is timed while it
+holds the baton (so it includes that loop's own logging, LR schedule, checkpoint/validation checks, GC policy).
 Same tokens (torchtitan gets a dataloader over our batches), AdamW foreach with the same
 hyper-parameters, grad clipping 1.0, fp32, logging every step in both.
 
@@ -47,8 +47,8 @@ class Baton:
 
 
 def instrument(obj, name: str, me: str, other: str, baton: Baton, segments: list):
-    """Wrap obj.train_step: hand the baton over at each call, time what runs while we hold it."""
-    original = getattr(obj, name)
+    """Wrap obj.<name> (ours: its step's call): hand the baton over at each call, time what runs while we hold it."""
+    original = obj.step.__call__ if name == "step" else getattr(obj, name)
     state = {"start": None}
 
     def hooked(*a, **k):
@@ -59,7 +59,10 @@ def instrument(obj, name: str, me: str, other: str, baton: Baton, segments: list
         state["start"] = time.perf_counter()
         return original(*a, **k)
 
-    setattr(obj, name, hooked)
+    if name == "step":
+        C.hook_step_calls(obj, hooked)
+    else:
+        setattr(obj, name, hooked)
     return state
 
 
@@ -89,7 +92,7 @@ def main(argv=None) -> dict:
     baton = Baton(first="ours")
     seg_ours: list[float] = []
     seg_tt: list[float] = []
-    st_ours = instrument(ours, "train_step", "ours", "tt", baton, seg_ours)
+    st_ours = instrument(ours, "step", "ours", "tt", baton, seg_ours)
     st_tt = instrument(tt, "train_step", "tt", "ours", baton, seg_tt)
     errors = []
 
@@ -116,7 +119,7 @@ def main(argv=None) -> dict:
     ours.close()
     if errors:
         raise errors[0]
-    # seg lists hold iterations 1..steps-1 (each closed by the next train_step call).
+    # seg lists hold iterations 1..steps-1 (each closed by the next step call).
     w = args.warmup
     tokens = args.batch_size * args.seq_len
     blocks = []

@@ -77,7 +77,7 @@ def main(argv=None):
         torch.cuda.synchronize()
 
     def ours_step(step: int):  # the Trainer trains its state's next step
-        ours.train_step()
+        ours.step()
         torch.cuda.synchronize()
 
     t0 = time.perf_counter()
@@ -88,9 +88,9 @@ def main(argv=None):
     first_bare = time.perf_counter() - t0
     res = C.alternate({"ours": ours_step, "bare": bare_step}, warmup=args.warmup, repeats=args.repeats, per=args.per)
     tokens = args.batch_size * args.seq_len
-    peak = ours.device.peak_flops(torch.bfloat16)
-    fpt = ours.backend.flops_per_token
-    print(f"model native/{args.flavor} params {ours.backend.num_params:,}; batch {args.batch_size}x{args.seq_len}; "
+    peak = ours.where.device.peak_flops(torch.bfloat16)
+    fpt = ours.step.backend.flops_per_token
+    print(f"model native/{args.flavor} params {ours.step.backend.num_params:,}; batch {args.batch_size}x{args.seq_len}; "
           f"bf16 autocast; compile={compile_flag}; peak {peak / 1e12:.0f} TFLOP/s")
     print(f"first step (compile): ours {first_ours:.1f} s, bare {first_bare:.1f} s")
     for name in ("ours", "bare"):

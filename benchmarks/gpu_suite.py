@@ -153,7 +153,7 @@ def trainer_vs_bare(n: int, dry: bool) -> dict:
         torch.cuda.synchronize()
 
     def mine(step: int):
-        ours.train_step()
+        ours.step()
         torch.cuda.synchronize()
 
     t0 = time.perf_counter()
@@ -164,7 +164,7 @@ def trainer_vs_bare(n: int, dry: bool) -> dict:
     first_bare = time.perf_counter() - t0
     res = C.alternate({"ours": mine, "bare": bare}, warmup=2, repeats=3, per=max(2, n // 2))
     ratios = C.ratio_per_repeat(res, "ours", "bare")
-    peak, fpt, tokens = ours.device.peak_flops(torch.bfloat16), ours.backend.flops_per_token, 8 * 2048
+    peak, fpt, tokens = ours.where.device.peak_flops(torch.bfloat16), ours.step.backend.flops_per_token, 8 * 2048
     out = {"first_step_s": {"ours": round(first_ours, 1), "bare": round(first_bare, 1)},
            "ratio_ours_over_bare": [round(r, 4) for r in C.mmm(ratios)]}
     for name in ("ours", "bare"):

@@ -11,7 +11,6 @@ import dataclasses
 import glob
 import math
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -201,7 +200,6 @@ class TrainingConfig:
     # at start-up (resolve.auto_settings)
     mixed_precision: str = "auto"
     nan_policy: str = "stop"  # stop | skip
-    fault: Optional[str] = None  # test hook, e.g. "raise@3:rank1", "nan@2", "kill@4", "term@2" (SIGTERM at step 2's eval)
     # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss) | auto: chunked on cpu
     # (measured: faster and smaller, the same losses; benchmarks/RESULTS.md), full on cuda and neuron (not measured
     # there); resolved once at start-up (resolve.auto_settings)
@@ -336,7 +334,6 @@ def _non_finite(node: Any, path: str) -> str | None:
 
 # 2**63 - 1: what torch (manual_seed), numpy (SeedSequence) and JSON/W&B (int64) all take.
 SEED_MAX = 2**63 - 1
-FAULT = re.compile(r"^(raise|nan|kill|term|oom)@[1-9][0-9]*(:rank[0-9]+)?$")
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # W&B refuses these in a project name (wandb.sdk.wandb_settings.validate_project)
 
 
@@ -465,9 +462,6 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     _positive("training.steps", t.steps)
     if not 0 <= t.seed <= SEED_MAX:
         raise ConfigError(f"training.seed must be in [0, {SEED_MAX}] (0 … 2**63 - 1), got {t.seed}")
-    if t.fault is not None and not FAULT.match(t.fault):
-        raise ConfigError(f"training.fault={t.fault!r} is not WHAT@STEP[:rankR] with WHAT one of raise, nan, kill, term, oom "
-                          "(e.g. nan@2); it is a test hook: leave it unset")
     _positive("training.log_every", t.log_every)
     _positive("training.eval_every", t.eval_every, allow_zero=True)
     _positive("training.eval_batches", t.eval_batches)

@@ -9,7 +9,7 @@ chunk; at most one chunk of logits is alive at once (see ``_ChunkedLinearCrossEn
 
 Why not torchtitan's ``ChunkedLossWrapper`` (torchtitan 0.3.0, components/loss.py): it runs each
 chunk's backward *inside* the loss call, before the trainer has scaled the loss (1/grad_accum,
-the 1/dp factor of ``parallel.sum_gradients_over_dp``, the NaN fault hook), so the lm_head's
+the 1/dp factor of ``parallel.sum_gradients_over_dp``, the tests' NaN fault hook), so the lm_head's
 gradient would miss those factors; it needs the model's ``_skip_lm_head`` flag, which Hugging
 Face models lack; and it needs seq_len divisible by its chunk count. A plain autograd function
 composes with every scaling, backend and layout the trainer already has.

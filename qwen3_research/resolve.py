@@ -265,7 +265,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
             support = tuple(kernel_support_here(rc, kind, lnc))
         if builds_here is None:
             builds_here = _torchrun_world_size() is not None or degrees.world_size == 1
-        if builds_here and not devices.get(kind).runs_on_host and not devices.validate_only():
+        if builds_here and not devices.get(kind).runs_on_host:
             targets = None  # the Trainer (or verify_kernels) resolves them on the model it builds next, here
         else:
             planning = plan and (devices.get(kind).kernels_by_shape or elsewhere)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,9 +48,8 @@ class Placement:
 
     ``device``: the ``device.Device`` its tensors live on; ``rank`` of ``world_size``; ``parallel_dims``:
     torchtitan's ParallelDims with its mesh built (None: one process without a mesh); ``gather(obj)``: every
-    rank's ``obj`` in rank order; ``trace``: the planner's fake-tensor trace, where nothing is loaded, compiled
-    or injected (no weights from ``model.init_from``, no ``compile``, no ``training.fault``) and no tensor value
-    is read on the host.
+    rank's ``obj`` in rank order; ``trace``: the planner's fake-tensor trace, where nothing is loaded or compiled
+    (no weights from ``model.init_from``, no ``compile``) and no tensor value is read on the host.
     """
 
     device: devices.Device
@@ -86,9 +84,11 @@ def compute_dtype(run: ResolvedRun) -> torch.dtype:
     return getattr(torch, run.precision.compute_dtype)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Step:
-    """The parts of one training step (built by ``build_step``) and its one order (``__call__``)."""
+    """The parts of one training step (built by ``build_step``) and its one order (``__call__``).
+
+    Keyword-only: a field added later cannot shift the others' values."""
 
     run: ResolvedRun
     where: Placement
@@ -109,7 +109,6 @@ class Step:
     optimizer: torch.optim.Optimizer
     scheduler: object
     state: TrainState  # what a checkpoint holds
-    fault: str | None  # training.fault (test hooks), None in a trace
     state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
 
     @property
@@ -176,7 +175,6 @@ class Step:
         labels = batch.labels.to(self.torch_device)
         positions = None if batch.positions is None else batch.positions.to(self.torch_device)
         loss = self.loss(inputs, labels, positions) / t.grad_accum
-        loss = _inject_fault(self.fault, self.state.step + 1, self.where.rank, loss)
         # balance=aux_loss: coef × the routers' auxiliary loss joins the gradient, not the reported LM loss
         aux = self.routing.aux_term() if self.routing is not None else None
         ((loss if aux is None else loss + aux / t.grad_accum) * self.loss_scale).backward()
@@ -292,9 +290,13 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     optimizer, scheduler = build_optimizer(backend.model, cfg.optimizer, cfg.training.steps)
     backend.register_optimizer_hooks(optimizer, where.parallel_dims)
     state = TrainState(backend.model, optimizer, scheduler, rank=where.rank, device_type=where.device.type)
-    return Step(run, where, tokenizer, data, layout, dp_rank, dp_size, eval_every, backend, kernel_plan, loss_scale,
-                routing, precision, autocast, compiled, cross_entropy, optimizer, scheduler, state,
-                fault=None if where.trace else cfg.training.fault)
+    return Step(
+        run=run, where=where,
+        tokenizer=tokenizer, data=data, data_layout=layout, dp_rank=dp_rank, dp_size=dp_size, eval_every=eval_every,
+        backend=backend, kernel_plan=kernel_plan, loss_scale=loss_scale, routing=routing,
+        precision=precision, autocast=autocast, compiled=compiled, cross_entropy=cross_entropy,
+        optimizer=optimizer, scheduler=scheduler, state=state,
+    )
 
 
 def dp_coordinates(degrees: Degrees, parallel_dims) -> tuple[int, int]:
@@ -325,40 +327,3 @@ def check_data_fits(cfg, data: PackedDataset, dp_size: int, *, is_main: bool) ->
                   "documents); evaluation is off for this run (training.eval_every ignored)", file=sys.stderr, flush=True)
         return 0
     return t.eval_every
-
-
-# -- test hooks (training.fault) --------------------------------------------------------------------------------
-def _fault_now(spec: str | None, kinds: tuple[str, ...], step: int, rank: int) -> str | None:
-    """Test hook (training.fault = 'WHAT@N' or 'WHAT@N:rankR'): WHAT when it is due at this step on this rank."""
-    if not spec:
-        return None
-    what, _, rest = spec.partition("@")
-    at, _, who = rest.partition(":")
-    if what not in kinds or int(at) != step or (who and who != f"rank{rank}"):
-        return None
-    return what
-
-
-def signal_launcher_at_eval(spec: str | None, step: int, rank: int, world_size: int) -> None:
-    """Test hook 'term@N': as step N's evaluation starts, SIGTERM the launcher (Slurm preemption, scancel):
-    the parent process in a worker group (the elastic agent, which passes it on to every rank), this process
-    in a one-process run."""
-    if _fault_now(spec, ("term",), step, rank):
-        os.kill(os.getppid() if world_size > 1 else os.getpid(), signal.SIGTERM)
-
-
-def _inject_fault(spec: str | None, step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
-    """Test hook (training.fault): 'raise@N', 'nan@N', 'kill@N', 'oom@N' in step N's forward; 'term@N' at its
-    evaluation."""
-    what = _fault_now(spec, ("raise", "nan", "kill", "oom"), step, rank)
-    if what is None:
-        return loss
-    if what == "raise":
-        raise RuntimeError(f"injected failure at step {step} on rank {rank} (training.fault={spec})")
-    if what == "nan":
-        return loss * float("nan")
-    if what == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if what == "oom":  # a real allocator failure on any device: an allocation no device can hold (2**60 bytes)
-        torch.empty(2**60, dtype=torch.uint8, device=loss.device)
-    return loss

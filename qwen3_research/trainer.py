@@ -28,16 +28,28 @@ from qwen3_research.resolve import ResolvedRun, RunInfo  # noqa: F401  (RunInfo 
 from qwen3_research.run.checkpoint import Checkpointer
 from qwen3_research.run.sinks import build_sinks
 from qwen3_research.signals import Interrupted, StopOnSignal
-from qwen3_research.step import build_step, compute_dtype, place, signal_launcher_at_eval
+from qwen3_research.step import build_step, compute_dtype, place
+
+
+@dataclass
+class _Progress:
+    """What the loop carries from one step to the next and into the run's summary."""
+
+    compile_start: float  # compiling.compile_seconds() before the first step
+    tokens_per_step: int
+    peak_live_bytes: list | None = None  # training.track_memory: per rank, one steady step
+    peak_categories: list = field(default_factory=list)
 
 
 class Trainer:
     """Place and build one step (``__init__``), then loop over it (``train``).
 
-    ``self.step`` (``step.Step``) holds the parts and the step's one order; the planner (``qwen3_research.plan``)
-    builds the same step on fake tensors. What a checkpoint holds is ``self.state`` (the step's ``TrainState``).
-    The run's degrees, batch size, model facts and precision are the description's (``run``, resolved before any
-    worker started); nothing here writes into its config.
+    ``self.step`` (``step.Step``) holds the parts (model backend, optimizer, schedule, data, the ``TrainState`` a
+    checkpoint holds) and the step's one order; ``self.where`` (``step.Placement``) the device, rank, world size and
+    mesh. Callers reach the part they need there (``trainer.step.backend``, ``trainer.where.rank``). The planner
+    (``qwen3_research.plan``) builds the same step on fake tensors. The run's degrees, batch size, model facts and
+    precision are the description's (``run``, resolved before any worker started); nothing here writes into its
+    config.
     """
 
     def __init__(self, run: ResolvedRun, info: RunInfo):
@@ -48,78 +60,47 @@ class Trainer:
         t_start = time.perf_counter()
         # Device first (torchtitan must see it before its first import), then the process group and the mesh.
         self.where = where = place(run)
-        self.rank, self.world_size, self.device = where.rank, where.world_size, where.device
-        self.is_main = self.rank == 0
-        self.degrees = run.degrees
+        self.is_main = where.rank == 0
         # After the process group (on neuron it starts the runtime on this rank's core): every rank's
         # device, LNC and environment as the worker sees them, for summary.json.
-        self.device_facts = where.gather({**self.device.facts(compute_dtype(run)), "cpu_allocator": allocator.status(),
+        self.device_facts = where.gather({**where.device.facts(compute_dtype(run)), "cpu_allocator": allocator.status(),
                                           "spawned": allocator.started_by_spawn()})  # as this rank observes them
-        self.step = build_step(run, where, run_dir=self.run_dir)
+        self.step = step = build_step(run, where, run_dir=self.run_dir)
         self.checkpointer = Checkpointer(
-            self.state, cfg.checkpoint, run_dir=self.run_dir, total_steps=cfg.training.steps, layout=self.degrees.describe(),
-            data_layout=self.step.data_layout, config=dataclasses.asdict(cfg), rank=self.rank, world_size=self.world_size,
+            step.state, cfg.checkpoint, run_dir=self.run_dir, total_steps=cfg.training.steps,
+            layout=run.degrees.describe(), data_layout=step.data_layout, config=dataclasses.asdict(cfg),
+            rank=where.rank, world_size=where.world_size,
         )
         self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
                                  wandb_name=info.wandb_name, swept=info.swept)
-        self.profiler = Profiler(cfg.profiling, device_type=self.device.type, rank=self.rank, run_dir=self.run_dir,
+        self.profiler = Profiler(cfg.profiling, device_type=where.device.type, rank=where.rank, run_dir=self.run_dir,
                                  total_steps=cfg.training.steps)
         self.resolved_config = run.config  # W&B's config and summary.json: the values used (data.batch_size resolved)
         self.build_s = time.perf_counter() - t_start
 
-    # -- the step's parts, as callers (tests, benchmarks, export) reach them ----------------------------
-    backend = property(lambda self: self.step.backend)
-    optimizer = property(lambda self: self.step.optimizer)
-    scheduler = property(lambda self: self.step.scheduler)
-    data = property(lambda self: self.step.data)
-    tokenizer = property(lambda self: self.step.tokenizer)
-    state = property(lambda self: self.step.state)
-    state_bytes = property(lambda self: self.step.state_bytes)
-    routing = property(lambda self: self.step.routing)
-    precision = property(lambda self: self.step.precision)
-    kernel_plan = property(lambda self: self.step.kernel_plan)
-    dp_rank = property(lambda self: self.step.dp_rank)
-    dp_size = property(lambda self: self.step.dp_size)
-    parallel_dims = property(lambda self: self.where.parallel_dims)
-
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.step.loss(inputs, labels, positions)
-
-    def _compute_dtype(self) -> torch.dtype:
-        return compute_dtype(self.run)
-
-    # -- the loop --------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """Optimizer step ``state.step + 1`` (``Step.__call__``); afterwards ``state.step`` counts it. (loss averaged
-        over the data-parallel ranks, gradient norm)."""
-        return self.step()
-
-    def evaluate(self) -> float:
-        return self.step.evaluate()
-
     def _memory_rows(self) -> list[dict]:
-        m = self.device.memory()
-        row = {"rank": self.rank, "current_gib": round(m.current_gib, 4), "peak_gib": round(m.peak_gib, 4),
+        m = self.where.device.memory()
+        row = {"rank": self.where.rank, "current_gib": round(m.current_gib, 4), "peak_gib": round(m.peak_gib, 4),
                "peak_pct": round(m.peak_pct, 3), "capacity_gib": round(m.capacity_gib, 2)}
-        if self.state_bytes is not None:
-            row["state_bytes"] = self.state_bytes["total"]
+        if self.step.state_bytes is not None:
+            row["state_bytes"] = self.step.state_bytes["total"]
         return self.where.gather(row)
 
     def summary(self) -> dict:
-        d = self.degrees
+        cfg, step = self.cfg, self.step
         return {
-            "model": f"{self.cfg.model.backend}/{self.cfg.model.flavor}",
-            "params": self.backend.num_params,
-            "device": self.device.type,
-            "layout": d.describe(),
-            "tokens": self.data.num_tokens,
-            "train_samples": len(self.data.train),
-            "val_samples": len(self.data.val),
-            "batch_size": self.cfg.data.batch_size, "mixed_precision": self.cfg.training.mixed_precision,
-            "precision": self.precision,  # how it is carried out here (run.precision)
+            "model": f"{cfg.model.backend}/{cfg.model.flavor}",
+            "params": step.backend.num_params,
+            "device": self.where.device.type,
+            "layout": self.run.degrees.describe(),
+            "tokens": step.data.num_tokens,
+            "train_samples": len(step.data.train),
+            "val_samples": len(step.data.val),
+            "batch_size": cfg.data.batch_size, "mixed_precision": cfg.training.mixed_precision,
+            "precision": step.precision,  # how it is carried out here (run.precision)
             "global_batch_tokens": self.run.tokens_per_step,
             "compile": self._compile_line(),
-            **(self.routing.summary() if self.routing is not None else {}),
+            **(step.routing.summary() if step.routing is not None else {}),
         }
 
     def _compile_line(self) -> str:
@@ -136,75 +117,118 @@ class Trainer:
         return {"compile_s": round(compiling.compile_seconds() - since, 3),
                 "compile_cache": (self.run.compile.cache_state if self.run.compile else None) or "torch default"}
 
+    # -- the loop: start, then per step (timed step, record, evaluate, log, save), then finish ------------------
     def train(self) -> dict:
-        cfg, t, state = self.cfg, self.cfg.training, self.state
+        """Resume and start the sinks; run the step until training.steps (each: timed, recorded, evaluated, logged,
+        saved, and a stop signal honoured after it); then finish (export, summary). A failure is recorded first."""
+        t, state = self.cfg.training, self.step.state
+        progress = self._start()
+        try:
+            with StopOnSignal(self.where.world_size, self.where.device.torch_device) as stop:
+                while state.step < t.steps:
+                    loss, grad_norm, lr, dt = self._timed_step(progress)
+                    record = None
+                    if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
+                        record = self._record(loss, grad_norm, lr, dt, progress.tokens_per_step)
+                    record = self._evaluate_when_due(record)
+                    self._log(record, progress)
+                    self._save_when_due(stop)
+        except BaseException as e:
+            self._record_failure(e)  # raises TrainingError instead for an out-of-memory error
+            raise
+        return self._finish(progress)
+
+    def _start(self) -> _Progress:
+        """Resume from the checkpoint (checkpoint.resume), start the sinks with the run's config and summary."""
+        cfg, t, step = self.cfg, self.cfg.training, self.step
         compile_start = compiling.compile_seconds()
         self.checkpointer.maybe_resume()
         if cfg.checkpoint.resume:
-            self.sinks.resume_at(state.step)  # steps after the checkpoint are trained again
-        config = {**self.resolved_config, "memory_plan": self.info.prediction} if self.info.prediction else self.resolved_config
-        self.sinks.start(config, {**self.summary(), "plan": self.kernel_plan or "none"})
+            self.sinks.resume_at(step.state.step)  # steps after the checkpoint are trained again
+        config = self.resolved_config
+        if self.info.prediction:
+            config = {**config, "memory_plan": self.info.prediction}
+        self.sinks.start(config, {**self.summary(), "plan": step.kernel_plan or "none"})
         tokens_per_step = self.run.tokens_per_step
-        peak = self.device.peak_flops(self._compute_dtype())
-        peak_live_bytes, peak_categories = None, []
-        self.backend.model.train()
+        self.where.device.peak_flops(compute_dtype(self.run))  # measured (CPU) before the first step, not inside it
+        step.backend.model.train()
+        return _Progress(compile_start=compile_start, tokens_per_step=tokens_per_step)
+
+    def _timed_step(self, progress: _Progress) -> tuple[float, float, float, float]:
+        """One optimizer step (``Step.__call__``), synchronized and timed, profiled when due: (loss, gradient norm,
+        its learning rate, seconds)."""
+        t, step, device = self.cfg.training, self.step, self.where.device
+        self.profiler.before_step(step.state.step + 1)
+        device.synchronize()
+        t0 = time.perf_counter()
+        lr = step.scheduler.get_last_lr()[0]
+        # peak live tensor bytes of one steady step per rank: the second (AdamW's state exists), or the first of a
+        # one-step run
+        if t.track_memory and step.state.step == min(1, t.steps - 1):
+            (loss, grad_norm), progress.peak_live_bytes = track_step(step, step.backend.model, step.optimizer,
+                                                                     self.where.world_size, progress.peak_categories)
+        else:
+            loss, grad_norm = step()
+        device.synchronize()
+        dt = time.perf_counter() - t0
+        step.state.timer.add(dt)
+        if self.profiler.after_step(step.state.step):  # every rank wrote its files: rank 0 logs them all
+            self._log_profiles(barrier=True)
+        return loss, grad_norm, lr, dt
+
+    def _evaluate_when_due(self, record: dict | None) -> dict | None:
+        """Every eval_every steps and at the last: the held-out loss, into ``record`` (one is made if none)."""
+        state, eval_every = self.step.state, self.step.eval_every
+        if not eval_every or (state.step % eval_every != 0 and state.step != self.cfg.training.steps):
+            return record
+        state.final_eval_loss = self.step.evaluate()
+        return {**(record or {"step": state.step}), "eval_loss": state.final_eval_loss}
+
+    def _log(self, record: dict | None, progress: _Progress) -> None:
+        """``record`` to the sinks (rank 0), with the compile time on the first step's."""
+        if record is None:
+            return
+        if record.get("first_step"):
+            record.update(self._compile_fields(progress.compile_start))
+        if self.is_main:
+            self.sinks.log(record)
+            if "loss" in record:
+                self.step.state.final_loss = record["loss"]
+
+    def _save_when_due(self, stop: StopOnSignal) -> None:
+        """A checkpoint when due (the sinks committed with it); a stop signal saves now and ends the loop."""
+        state = self.step.state
+        self.checkpointer.maybe_save(state.step)
+        if self.checkpointer.last_saved == state.step:
+            self.sinks.commit()
+        signum = stop.requested()
+        if signum and state.step < self.cfg.training.steps:
+            raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
+
+    def _record_failure(self, e: BaseException) -> None:
+        """The loop failed or was interrupted: a memory snapshot when asked, the sinks finished with the status; an
+        out-of-memory error raised as one line naming the step, the rank and the snapshot (not a traceback)."""
+        status = "interrupted" if isinstance(e, Interrupted) else "failed"
         try:
-            with StopOnSignal(self.world_size, self.device.torch_device) as stop:
-                while state.step < t.steps:
-                    self.profiler.before_step(state.step + 1)
-                    self.device.synchronize()
-                    t0 = time.perf_counter()
-                    lr = self.scheduler.get_last_lr()[0]
-                    # peak live tensor bytes of one steady step per rank: the second (AdamW's state exists),
-                    # or the first of a one-step run
-                    if t.track_memory and state.step == min(1, t.steps - 1):
-                        (loss, grad_norm), peak_live_bytes = track_step(self.train_step, self.backend.model,
-                                                                        self.optimizer, self.world_size, peak_categories)
-                    else:
-                        loss, grad_norm = self.train_step()
-                    self.device.synchronize()
-                    dt = time.perf_counter() - t0
-                    state.timer.add(dt)
-                    if self.profiler.after_step(state.step):  # every rank wrote its files: rank 0 logs them all
-                        self._log_profiles(barrier=True)
-                    record = None
-                    if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
-                        record = self._record(loss, grad_norm, lr, dt, tokens_per_step, peak)
-                    if self.step.eval_every and (state.step % self.step.eval_every == 0 or state.step == t.steps):
-                        signal_launcher_at_eval(t.fault, state.step, self.rank, self.world_size)
-                        state.final_eval_loss = self.evaluate()
-                        record = record or {"step": state.step}
-                        record["eval_loss"] = state.final_eval_loss
-                    if record is not None and record.get("first_step"):
-                        record.update(self._compile_fields(compile_start))
-                    if record is not None and self.is_main:
-                        self.sinks.log(record)
-                        if "loss" in record:
-                            state.final_loss = record["loss"]
-                    self.checkpointer.maybe_save(state.step)
-                    if self.checkpointer.last_saved == state.step:
-                        self.sinks.commit()
-                    signum = stop.requested()
-                    if signum and state.step < t.steps:
-                        raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
-        except BaseException as e:
-            status = "interrupted" if isinstance(e, Interrupted) else "failed"
-            try:
-                snapshot = self.profiler.on_error(e)
-            except Exception as pe:  # noqa: BLE001 - writing the snapshot must not hide the step's own error
-                print(f"warning: no memory snapshot ({type(pe).__name__}: {pe})", file=sys.stderr, flush=True)
-                snapshot = []
-            if snapshot:  # no barrier: the other ranks may be stuck in a collective; rank 0 logs what is there
-                self._log_profiles(barrier=False)
-            self.sinks.finish({"status": status, "step": state.step})
-            if is_out_of_memory(e):  # one line naming the step, the rank and the snapshot, not a traceback
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise TrainingError(
-                    f"out of memory in step {state.step + 1} on rank {self.rank} ({first[:300]}); "
-                    + (f"memory snapshot: {snapshot[0]}" if snapshot else
-                       "profiling.memory_snapshot=true writes a memory snapshot when it happens")) from e
-            raise
-        if not self.device.spec.torch_profiler and cfg.profiling.steps:  # what the device runtime's profiler wrote
+            snapshot = self.profiler.on_error(e)
+        except Exception as pe:  # noqa: BLE001 - writing the snapshot must not hide the step's own error
+            print(f"warning: no memory snapshot ({type(pe).__name__}: {pe})", file=sys.stderr, flush=True)
+            snapshot = []
+        if snapshot:  # no barrier: the other ranks may be stuck in a collective; rank 0 logs what is there
+            self._log_profiles(barrier=False)
+        state = self.step.state
+        self.sinks.finish({"status": status, "step": state.step})
+        if is_out_of_memory(e):
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TrainingError(
+                f"out of memory in step {state.step + 1} on rank {self.where.rank} ({first[:300]}); "
+                + (f"memory snapshot: {snapshot[0]}" if snapshot else
+                   "profiling.memory_snapshot=true writes a memory snapshot when it happens")) from e
+
+    def _finish(self, progress: _Progress) -> dict:
+        """The device profiler's files, the final checkpoint, the export (checkpoint.export_hf), the summary."""
+        cfg, t, state = self.cfg, self.cfg.training, self.step.state
+        if not self.where.device.spec.torch_profiler and cfg.profiling.steps:  # what the device's own profiler wrote
             self._log_profiles(barrier=True)
         self.checkpointer.finish()
         if cfg.checkpoint.export_hf:
@@ -212,21 +236,22 @@ class Trainer:
         summary = {
             "status": "ok", "steps": state.step, "skipped_steps": state.skipped_steps, "final_loss": state.final_loss,
             "final_eval_loss": state.final_eval_loss, "batch_size": cfg.data.batch_size,
-            "global_batch_tokens": tokens_per_step, "mixed_precision": t.mixed_precision, "precision": self.precision,
-            "first_step_s": state.timer.first_step_s, "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
-            "compile": self._compile_line(), **self._compile_fields(compile_start),
+            "global_batch_tokens": progress.tokens_per_step, "mixed_precision": t.mixed_precision,
+            "precision": self.step.precision, "first_step_s": state.timer.first_step_s,
+            "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
+            "compile": self._compile_line(), **self._compile_fields(progress.compile_start),
         }
-        if peak_live_bytes:
-            summary["peak_live_bytes_per_rank"] = peak_live_bytes
+        if progress.peak_live_bytes:
+            summary["peak_live_bytes_per_rank"] = progress.peak_live_bytes
             # bytes by plan category at each rank's peak, and each category's largest over the step
-            summary["live_categories_per_rank"] = peak_categories
+            summary["live_categories_per_rank"] = progress.peak_categories
         self.sinks.finish(summary)
         return {**summary, "device_facts": self.device_facts}  # summary.json only (a row per rank)
 
     def _log_profiles(self, *, barrier: bool) -> None:
         """Every rank's profiling files in the run dir as W&B artifacts, from rank 0 (``barrier``: after every
         rank has written its own)."""
-        if barrier and self.world_size > 1:
+        if barrier and self.where.world_size > 1:
             torch.distributed.barrier()
         if self.is_main:
             for kind, paths in artifact_groups(self.run_dir).items():
@@ -234,27 +259,30 @@ class Trainer:
 
     def export_hf(self) -> dict | None:
         """The trained model -> ``<run dir>/hf``, verified (collective)."""
-        return export_trained(self.backend, self.run_dir / "hf", inputs=held_out_inputs(self.data),
-                              device=self.device.torch_device, tokenizer=self.tokenizer, cfg=self.cfg,
-                              precision=self.run.precision)
+        step = self.step
+        return export_trained(step.backend, self.run_dir / "hf", inputs=held_out_inputs(step.data),
+                              device=self.where.device.torch_device, tokenizer=step.tokenizer,
+                              cfg=self.cfg, precision=self.run.precision)
 
-    def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int, peak: float) -> dict:
+    def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int) -> dict:
+        step, state, world_size = self.step, self.step.state, self.where.world_size
         tps = tokens_per_second(tokens_per_step, dt)
         # a CPU peak measured while the cores were shared is too low: the run's own rate raises it (never MFU > 1)
-        peak = self.device.observed_flops(self._compute_dtype(), self.backend.flops_per_token * tps / self.world_size)
+        flops_per_s = step.backend.flops_per_token * tps / world_size
+        peak = self.where.device.observed_flops(compute_dtype(self.run), flops_per_s)
         rows = self._memory_rows()
         record = {
-            "step": self.state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "tokens_per_s": tps, "mfu": mfu(self.backend.flops_per_token, tps, peak, self.world_size),
-            "step_time_s": dt, "tokens": self.state.step * tokens_per_step,
+            "step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            "tokens_per_s": tps, "mfu": mfu(step.backend.flops_per_token, tps, peak, world_size),
+            "step_time_s": dt, "tokens": state.step * tokens_per_step,
             "mem_current_gib": rows[0]["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
             "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
         }
-        if self.routing is not None:  # collective: every rank reduces the routing counts of the interval
-            record.update(self.routing.log_fields())
-        if self.state.step == 1:
+        if step.routing is not None:  # collective: every rank reduces the routing counts of the interval
+            record.update(step.routing.log_fields())
+        if state.step == 1:
             record["first_step"] = True
-        if self.state.skipped_steps and self.state.skipped_steps[-1] == self.state.step:
+        if state.skipped_steps and state.skipped_steps[-1] == state.step:
             record["skipped"] = True
         return record
 

@@ -23,7 +23,7 @@ if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 1
 from qwen3_research import models  # noqa: E402
 from qwen3_research.compose import compose  # noqa: E402
 from qwen3_research.config import ConfigError  # noqa: E402
-from qwen3_research.resolve import resolve_run, warn_kernel_matches  # noqa: E402
+from qwen3_research.resolve import resolve_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         run = resolve_run(cfg, builds_here=True, prepare=lambda kind, lnc, _: devices.prepare_launch(kind, lnc, 1))
         rc = run.rc
         device_type = devices.resolve_device_type(run.device_kind)  # the resolved kind, torch-checked here
-        if devices.validate_only():  # test hook (devices/__init__.py): the checks above, on a meta-device model
-            warn_kernel_matches(run.kernel_warnings)
-            print(devices.VALIDATE_ONLY_LINE, flush=True)
-            return 0
         devices.prepare_torchtitan(device_type)
         device = devices.Device(device_type, 0, rc.device.lnc)
         # In the worker, the overrides' own checks on the model it built (what resolve_run checked on the meta

@@ -45,6 +45,39 @@ def cli_env(**extra) -> dict:
     return env
 
 
+HOOKS = ROOT / "tests" / "hooks"
+
+
+def hooks_env(**hooks: str) -> dict:
+    """Environment entries for a CLI run with the test hooks of tests/hooks/qwen3_test_hooks.py: that folder on
+    PYTHONPATH (its sitecustomize.py wraps parts of qwen3_research from outside) and ``hooks``, the variables that
+    ask for them. For ``cli_env(**hooks_env(...))``."""
+    path = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, **hooks}
+
+
+def fault_env(spec: str) -> dict:
+    """Environment entries for a CLI run with a fault (QWEN3_TEST_FAULT=WHAT@N[:rankR], tests/hooks): raise, nan,
+    kill or oom in step N's forward-backward, term (SIGTERM to the launcher) as step N's evaluation starts."""
+    from tests.hooks.qwen3_test_hooks import FAULT_ENV, check_fault
+
+    return hooks_env(**{FAULT_ENV: check_fault(spec)})
+
+
+@pytest.fixture
+def fault_hook(monkeypatch):
+    """``install(spec)``: the fault of tests/hooks (as QWEN3_TEST_FAULT=spec asks in a CLI run) wrapped around this
+    process's ``Step``, undone after the test."""
+    def install(spec: str) -> None:
+        from qwen3_research.step import Step
+        from tests.hooks.qwen3_test_hooks import check_fault, fault_methods
+
+        for name, method in fault_methods(Step, check_fault(spec)).items():
+            monkeypatch.setattr(Step, name, method)
+
+    return install
+
+
 SIGINT_AT_IMPORT = '''
 import os, signal, sys
 

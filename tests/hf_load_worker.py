@@ -71,18 +71,18 @@ def main() -> None:
     run_dir = os.path.dirname(out)
     trainer = Trainer(resolve_run(resolved), RunInfo(run_dir=run_dir))
     ref = torch.load(ref_path, weights_only=True)
-    trainer.backend.model.eval()
+    trainer.step.backend.model.eval()
     with torch.no_grad():
-        logits = trainer.backend.forward(ref["inputs"])
+        logits = trainer.step.backend.forward(ref["inputs"])
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                for p in trainer.backend.model.parameters())  # this rank's shards
+                for p in trainer.step.backend.model.parameters())  # this rank's shards
     row = {
-        "rank": trainer.rank, "world": trainer.world_size, "max_abs_logit_diff": float((logits.float() - ref["logits"]).abs().max()),
+        "rank": trainer.where.rank, "world": trainer.where.world_size, "max_abs_logit_diff": float((logits.float() - ref["logits"]).abs().max()),
         "load_peak_bytes": measured.get("peak", 0) - measured.get("start", 0),
-        "params": trainer.backend.num_params, "local_param_bytes": local,
+        "params": trainer.step.backend.num_params, "local_param_bytes": local,
     }
-    with open(f"{out}.{trainer.rank}.json", "w") as fh:
+    with open(f"{out}.{trainer.where.rank}.json", "w") as fh:
         json.dump(row, fh)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

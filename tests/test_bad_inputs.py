@@ -385,8 +385,9 @@ def _config(tmp: Path, *overrides: str) -> tuple:
 WEAK = {
     "interpolation-loop": lambda t, r, b: (*_config(t, "training.steps=${training.steps}"),
                                            "config error: training.steps: Recursive interpolation detected"),
-    "fault-syntax": lambda t, r, b: (*_config(t, "training.fault=bogus"),
-                                     "config error: training.fault='bogus' is not WHAT@STEP[:rankR]"),
+    # the fault hook left the schema for tests/hooks (QWEN3_TEST_FAULT; its syntax: test_a_malformed_fault_is_refused)
+    "fault-key-removed": lambda t, r, b: (*_config(t, "training.fault=raise@1"),
+                                          "config error: training.fault: unknown key"),
     "max-documents-0": lambda t, r, b: (*_config(t, "data.max_documents=0"),
                                         "config error: data.max_documents must be >= 1"),
     "val-fraction-0.99": lambda t, r, b: (*_config(t, "data.val_fraction=0.99"),
@@ -430,6 +431,22 @@ WEAK = {
     "jsonl-text-list": lambda t, r, b: _jsonl_text(t, '["a", "b"]', 'a list (["a", "b"]), not a string'),
 }
 COLD = {"export-ctrl-c", "save-file-size-limit", "doctor-cuda-visible-devices", "rdzv-unreachable"}
+
+
+def test_a_malformed_fault_is_refused():
+    """The fault hook (tests/hooks) refuses a spec that is not WHAT@STEP[:rankR] before anything runs, both where a
+    test asks for it (fault_env) and where an interpreter starts with it (install_from_environment)."""
+    from tests.conftest import fault_env, hooks_env
+    from tests.hooks import qwen3_test_hooks as hooks
+
+    for bogus in ("bogus", "nan@0", "boom@2", "kill@2:1", "raise@"):
+        with pytest.raises(ValueError, match=r"QWEN3_TEST_FAULT='.*' is not WHAT@STEP\[:rankR\]"):
+            fault_env(bogus)
+    assert [hooks.check_fault(s) for s in ("nan@2", "kill@4:rank1", "term@12", "oom@1", "raise@3:rank0")]
+    proc = subprocess.run([sys.executable, "-c", "pass"], env=cli_env(**hooks_env(**{hooks.FAULT_ENV: "bogus"})),
+                          capture_output=True, text=True, timeout=60)  # sitecustomize.py, as the interpreter starts
+    assert proc.returncode == 2 and proc.stderr.startswith("test hook: QWEN3_TEST_FAULT='bogus' is not WHAT@STEP[:rankR]"), \
+        proc.stderr
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in COLD else c for c in WEAK])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, cli_env, fault_env, read_metrics, run_cli, train_losses
 from tests.test_hf import run_in_process, tree_digest
 
 BASE = [o for o in FAST if not o.startswith("training.steps")] + ["training.steps=20"]
@@ -116,7 +116,8 @@ def test_export_command_shards_and_refuses_to_overwrite(straight, tmp_path):
 def test_resume_reproduces_steps_11_to_20(straight, tmp_path):
     """Stop after step 10 (SIGKILL at step 11, after the step-10 save), resume=auto to 20: identical losses."""
     run = tmp_path / "run"
-    killed = run_cli([*BASE, "checkpoint.enable=true", "checkpoint.every=10", "training.fault=kill@11"], run_dir=run)
+    killed = run_cli([*BASE, "checkpoint.enable=true", "checkpoint.every=10"], run_dir=run,
+                     env=cli_env(**fault_env("kill@11")))
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run_cli([*BASE, "checkpoint.enable=true", "checkpoint.every=10", "checkpoint.resume=auto"], run_dir=run)
     assert_ok(resumed)
@@ -137,7 +138,7 @@ def test_kill_during_save_keeps_previous_checkpoint(straight, tmp_path):
     print(f"\nafter SIGKILL in the step-4 save: {step_dirs(run)}")
     assert step_dirs(run) == [".tmp-step-00000004", "step-00000002"]  # partial one unpublished
     assert (run / "checkpoints" / ".tmp-step-00000004" / ".metadata").exists()  # its data was written
-    resumed = run_cli([*args, "checkpoint.resume=auto", "training.fault=kill@5"], run_dir=run)
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, env=cli_env(**fault_env("kill@5")))
     assert resumed.returncode == -9 and "step-00000002 at step 2" in resumed.stdout, resumed.stdout[-2000:]
     got, ref = train_losses(run), train_losses(straight)
     print(f"resumed from step 2: steps 3-4 {got[2:4]} vs straight {ref[2:4]}")
@@ -189,7 +190,7 @@ def test_dp_shard2_export_and_resume(straight, tmp_path):
     ref_run, run = tmp_path / "dp_straight", tmp_path / "dp_resumed"
     assert_ok(run_cli([*base, *dp, "checkpoint.export_hf=true"], run_dir=ref_run, timeout=600))
     check_hf_dir_matches(ref_run / "hf", ref_run / "checkpoints" / "step-00000006", "dp_shard=2 export")
-    killed = run_cli([*base, *dp, "training.fault=kill@5"], run_dir=run, timeout=600)
+    killed = run_cli([*base, *dp], run_dir=run, timeout=600, env=cli_env(**fault_env("kill@5")))
     assert killed.returncode != 0
     assert_ok(run_cli([*base, *dp, "checkpoint.resume=auto"], run_dir=run, timeout=600))
     ref, got = train_losses(ref_run), train_losses(run)

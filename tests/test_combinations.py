@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, assert_ok, read_metrics, run_cli, wandb_history
+from tests.conftest import FAST, assert_ok, cli_env, fault_env, read_metrics, run_cli, wandb_history
 
 STEPS = 4
 BASE = [a for a in FAST if not a.startswith(("training.steps", "training.eval_every", "logging.wandb"))] + [
@@ -51,14 +51,14 @@ def test_eval_checkpoints_wandb_sigterm_sigkill_resume_is_one_run(layout, tmp_pa
 
     run = tmp_path / "run"
     # 1. SIGTERM to the launcher as step 2's evaluation starts: the ranks finish the step, save, exit 143.
-    termed = run_cli(args + ["training.fault=term@2:rank0"], run_dir=run)
+    termed = run_cli(args, run_dir=run, env=cli_env(**fault_env("term@2:rank0")))
     assert termed.returncode == 128 + signal.SIGTERM, termed.stderr[-3000:]
     assert _last_line(termed) == (f"interrupted by SIGTERM after step 2; checkpoint saved to {run}/checkpoints/"
                                   "step-00000002; continue with checkpoint.resume=auto and the same hydra.run.dir")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 2, summary
     # 2. Resumed, then rank 0 SIGKILLed in step 4's forward: the group stops; step 2 stays the newest checkpoint.
-    killed = run_cli(args + ["checkpoint.resume=auto", "training.fault=kill@4:rank0"], run_dir=run)
+    killed = run_cli(args + ["checkpoint.resume=auto"], run_dir=run, env=cli_env(**fault_env("kill@4:rank0")))
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
     # 3. Resumed to the end.

@@ -5,7 +5,7 @@ every README line that asks for ``device=neuron``, every line of docs/TRAINIUM.m
 commands on a trn2 host". Each project command runs, as written (its ``VAR=value`` prefix included), on a
 simulated trn2.48xlarge (tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the
 driver's sysfs file and the aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
-``QWEN3_VALIDATE_ONLY=1`` (qwen3_research/devices/__init__.py): a run, ``verify_kernels`` and the doctor's ``--run`` checks
+``QWEN3_VALIDATE_ONLY=1`` (tests/hooks/qwen3_test_hooks.py, on PYTHONPATH): a run, ``verify_kernels`` and the doctor's ``--run`` checks
 stop right before the first thing that needs the device, after the configuration, the degrees, the LNC and cores,
 the torchtitan and kernel checks (on a meta-device model); the doctor and ``qwen3_research.plan`` need no device
 and run whole. Verdict: exit 0 and the line that says the command got there. ``pytest`` lines must select at
@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 from qwen3_research.compose import CONF_DIR
-from tests.conftest import ROOT, cli_env, run_cli
+from tests.conftest import ROOT, cli_env, hooks_env, run_cli
+from tests.hooks.qwen3_test_hooks import VALIDATE_ONLY_ENV, VALIDATE_ONLY_LINE
 from tests.neuron_host_double import trn2_host
 
-VALIDATED = "QWEN3_VALIDATE_ONLY=1 (test hook): start-up validation passed; stopping before the device is used"
+VALIDATED = VALIDATE_ONLY_LINE
 ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 
@@ -126,8 +127,7 @@ def _missing_checkpoint(c: DocCommand) -> str | None:
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("docs_commands")
-    env = trn2_host(tmp, env=cli_env())
-    env["QWEN3_VALIDATE_ONLY"] = "1"
+    env = trn2_host(tmp, env=cli_env(**hooks_env(**{VALIDATE_ONLY_ENV: "1"})))
     (tmp / "cwd").mkdir()
     return env, tmp / "cwd"
 

@@ -36,17 +36,17 @@ def loss_and_grads(overrides: list[str], run_dir: str) -> tuple[dict, dict]:
 
     trainer = Trainer(resolve_run(_compose(overrides)), RunInfo(run_dir=run_dir))
     try:
-        batch = trainer.data.train_batch(0, 0, 1, trainer.dp_rank, trainer.dp_size, 0)
+        batch = trainer.step.data.train_batch(0, 0, 1, trainer.step.dp_rank, trainer.step.dp_size, 0)
         losses, grads = {}, {}
         for kind in ("full", "chunked"):
             trainer.cfg.training.loss = kind
-            trainer.optimizer.zero_grad(set_to_none=True)
-            loss = trainer._loss(batch.inputs, batch.labels)
+            trainer.step.optimizer.zero_grad(set_to_none=True)
+            loss = trainer.step.loss(batch.inputs, batch.labels)
             loss.backward()
             losses[kind] = float(loss.detach())
             grads[kind] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                           for n, p in trainer.backend.model.named_parameters() if p.grad is not None}
-        w = trainer.backend.lm_head_weight()
+                           for n, p in trainer.step.backend.model.named_parameters() if p.grad is not None}
+        w = trainer.step.backend.lm_head_weight()
         losses["lm_head_placements"] = str(getattr(w, "placements", "plain"))
         return losses, grads
     finally:

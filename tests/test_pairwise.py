@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests import pairwise
-from tests.conftest import ROOT, read_metrics, run_cli
+from tests.conftest import ROOT, cli_env, fault_env, read_metrics, run_cli
 from tests.test_hf import write_hf_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def run_cell(cell: dict[str, str], hf_args: list[str], tmp: Path) -> tuple[str, 
     args = [*BASE, *pairwise.overrides(cell), *hf_args]
     run = tmp / "run"
     if cell["lifecycle"] == "resume":  # rank 0 SIGKILLed in step 2 after step 1's checkpoint; then resume to the end
-        first = run_cli([*args, "training.fault=kill@2:rank0"], run_dir=run)
+        first = run_cli(args, run_dir=run, env=cli_env(**fault_env("kill@2:rank0")))
         line = _refused(first, run)
         if line is not None:
             return f"refused: {line}", ""

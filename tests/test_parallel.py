@@ -25,7 +25,7 @@ from qwen3_research.compose import CONF_DIR
 from qwen3_research.config import ConfigError, ParallelismConfig, RunConfig, register_configs
 from qwen3_research.parallel import validate_degrees
 from tests.test_allocator import expected_in_workers
-from tests.conftest import ROOT, assert_ok, cli_env, read_metrics, run_cli, train_losses
+from tests.conftest import ROOT, assert_ok, cli_env, fault_env, read_metrics, run_cli, train_losses
 
 register_configs()
 
@@ -297,15 +297,15 @@ def _processes_tagged(tag: str) -> list[psutil.Process]:
 
 @pytest.mark.slow
 def test_failing_rank_stops_the_group(tmp_path):
-    """training.fault=raise@2:rank1: rank 1 raises at the start of step 2 while rank 0 waits in a collective."""
+    """A fault (tests/hooks: raise@2:rank1): rank 1 raises at the start of step 2 while rank 0 waits in a collective."""
     import json
 
     tag = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "qwen3_research", "parallelism=fsdp", "data.batch_size=2",
-           "training.fault=raise@2:rank1", *BASE, f"hydra.run.dir={tmp_path / 'run'}"]
+           *BASE, f"hydra.run.dir={tmp_path / 'run'}"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(QWEN3_TEST_TAG=tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(QWEN3_TEST_TAG=tag, **fault_env("raise@2:rank1")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, t_step1 = [], None
     try:
         for line in proc.stdout:  # rank 0's "step 1/5" line: the group is up; rank 1 fails next
@@ -324,7 +324,7 @@ def test_failing_rank_stops_the_group(tmp_path):
     assert rc == 1
     assert t_exit - t_step1 < 60
     assert errors == ["error: rank 1 failed (exit code 1): RuntimeError: injected failure at step 2 on rank 1 "
-                      "(training.fault=raise@2:rank1)\n"]
+                      "(QWEN3_TEST_FAULT=raise@2:rank1)\n"]
     time.sleep(1.0)
     left = _processes_tagged(tag)
     assert not left, [(p.pid, p.cmdline()[:3]) for p in left]

@@ -154,12 +154,13 @@ def test_uneven_shards_trace_the_last_rank_too():
     assert data["per_rank_peak_bytes"]["1"] == data["per_rank_peak_bytes"]["0"]
 
 
-def test_the_planner_builds_the_runs_step_and_rewrites_nothing():
+def test_the_planner_builds_the_runs_step_and_rewrites_nothing(fault_hook, monkeypatch):
     """Issue 32: the plan traces the run's own step, built by ``step.build_step`` with the planner's trace placement
     (fake CPU tensors, a fake process group, a local gather), from the resolved run as it is: its config (and its
-    RunConfig) equal before and after planning, although it asks for W&B, checkpoints, compile, a fault hook and
-    memory tracking (the old planner rewrote six config sections to turn them off); os.environ untouched (no
-    RANK/WORLD_SIZE rewrite); and during the build none of the attributes the old planner patched is replaced."""
+    RunConfig) equal before and after planning, although it asks for W&B, checkpoints, compile and memory tracking
+    (the old planner rewrote six config sections to turn them off); a fault hook around the step (tests/hooks:
+    raise@1) that the trace passes through and never fires; os.environ untouched (no RANK/WORLD_SIZE rewrite); and
+    during the build none of the attributes the old planner patched is replaced."""
     import copy
     import dataclasses
 
@@ -169,20 +170,29 @@ def test_the_planner_builds_the_runs_step_and_rewrites_nothing():
     from qwen3_research import parallel, planner, titan
     from qwen3_research.compose import compose_resolved
     from qwen3_research.resolve import resolve_run
+    from qwen3_research.step import Step
 
     config = compose_resolved(["parallelism=fsdp", "data.seq_len=32", "data.batch_size=1", "device.memory_gib=8",
                                "logging.wandb.mode=offline", "checkpoint.enable=true", "checkpoint.export_hf=true",
-                               "training.fault=raise@1", "training.track_memory=true"])
+                               "training.track_memory=true"])
     run = resolve_run(config, plan=True)
     before = (copy.deepcopy(run.config), dataclasses.asdict(run.rc), dict(os.environ))
     originals = (titan.build_model, parallel.build_parallel_dims, DeviceMesh.__init__, dist.all_gather_object)
-    built = []
+    built, traced = [], []
     real_build_step = planner.build_step
+    fault_hook("raise@1")
+    faulty = Step.forward_backward
+
+    def counted(self, batch):
+        traced.append(self.where.trace)
+        return faulty(self, batch)
+
+    monkeypatch.setattr(Step, "forward_backward", counted)
 
     def spy(run_arg, where, **kw):
         step = real_build_step(run_arg, where, **kw)
         seen = (titan.build_model, parallel.build_parallel_dims, DeviceMesh.__init__, dist.all_gather_object)
-        built.append((run_arg is run, where.trace, where.rank, where.world_size, step.fault, step.compiled,
+        built.append((run_arg is run, where.trace, where.rank, where.world_size, step.compiled,
                       seen == originals, dict(os.environ) == before[2]))
         return step
 
@@ -191,7 +201,8 @@ def test_the_planner_builds_the_runs_step_and_rewrites_nothing():
         plan = planner.make_plan(run, trace_all=True)
     finally:
         planner.build_step = real_build_step
-    assert built == [(True, True, 0, 2, None, "none", True, True), (True, True, 1, 2, None, "none", True, True)]
+    assert built == [(True, True, 0, 2, "none", True, True), (True, True, 1, 2, "none", True, True)]
+    assert traced and all(traced)  # step 1's forward-backward ran in the trace, through the hook, and was not faulted
     assert (run.config, dataclasses.asdict(run.rc), dict(os.environ)) == before
     assert [r.rank for r in plan.ranks] == [0, 1] and plan.ranks[0].peak == plan.ranks[1].peak > 0
 

@@ -11,7 +11,7 @@ import pytest
 from qwen3_research.config import RunConfig, validate
 from qwen3_research.config import validate as config_validate
 from qwen3_research.errors import ConfigError
-from tests.conftest import FAST, run_cli, wandb_records
+from tests.conftest import FAST, cli_env, fault_env, run_cli, wandb_records
 
 QUICK = [a for a in FAST if not a.startswith(("training.steps", "logging.wandb"))]
 PARAM_BYTES = 20_235_648 * 4  # native/tiny's float32 parameters (summary: params=20235648)
@@ -57,11 +57,11 @@ def test_profiled_two_rank_run_writes_a_trace_per_rank_and_w_and_b_artifacts(tmp
 
 @pytest.mark.slow
 def test_an_out_of_memory_error_leaves_a_snapshot(tmp_path):
-    """training.fault=oom@2 allocates 2**60 bytes in step 2: the CPU allocator's real failure, through the same
+    """A fault (tests/hooks: oom@2) allocates 2**60 bytes in step 2: the CPU allocator's real failure, through the same
     handler as any out-of-memory error."""
     run = tmp_path / "run"
-    proc = run_cli(QUICK + ["training.steps=2", "training.fault=oom@2", "profiling.memory_snapshot=true",
-                            "logging.wandb.mode=offline"], run_dir=run, timeout=300)
+    proc = run_cli(QUICK + ["training.steps=2", "profiling.memory_snapshot=true", "logging.wandb.mode=offline"],
+                   run_dir=run, timeout=300, env=cli_env(**fault_env("oom@2")))
     snapshot = run / "profiling" / "oom_memory_timeline_rank0.json"
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, cli_env, fault_env, read_metrics, run_cli, train_losses
 
 QUICK = [a for a in FAST if not a.startswith("training.steps")]
 
 
 def test_nan_stop_names_the_step(tmp_path):
-    proc = run_cli(QUICK + ["training.steps=4", "training.fault=nan@2"], run_dir=tmp_path / "r")
+    proc = run_cli(QUICK + ["training.steps=4"], run_dir=tmp_path / "r", env=cli_env(**fault_env("nan@2")))
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("error: step 2: non-finite loss=nan"), last
@@ -23,7 +23,8 @@ def test_nan_stop_names_the_step(tmp_path):
 
 def test_nan_skip_skips_only_that_step(tmp_path):
     assert_ok(run_cli(QUICK + ["training.steps=4"], run_dir=tmp_path / "clean"))
-    proc = run_cli(QUICK + ["training.steps=4", "training.fault=nan@2", "training.nan_policy=skip"], run_dir=tmp_path / "skip")
+    proc = run_cli(QUICK + ["training.steps=4", "training.nan_policy=skip"], run_dir=tmp_path / "skip",
+                   env=cli_env(**fault_env("nan@2")))
     assert_ok(proc)
     rows = {r["step"]: r for r in read_metrics(tmp_path / "skip") if "step" in r}
     clean = train_losses(tmp_path / "clean")
@@ -120,7 +121,7 @@ def test_sigkill_at_three_steps_then_resume_is_exact(tmp_path):
     print("kill steps", kills)
     for k in kills:
         run = tmp_path / f"kill{k}"
-        proc = run_cli(QUICK + CKPT + [f"training.steps={steps}", f"training.fault=kill@{k}"], run_dir=run)
+        proc = run_cli(QUICK + CKPT + [f"training.steps={steps}"], run_dir=run, env=cli_env(**fault_env(f"kill@{k}")))
         assert proc.returncode == -signal.SIGKILL, (k, proc.returncode, proc.stderr[-1500:])
         assert (run / "checkpoints" / f"step-{k - 1:08d}").is_dir()
         proc = run_cli(QUICK + CKPT + [f"training.steps={steps}", "checkpoint.resume=auto"], run_dir=run)
@@ -161,7 +162,7 @@ def test_sigterm_saves_finishes_wandb_and_resumes_exactly(tmp_path):
 
 def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "r"
-    proc = run_cli(QUICK + CKPT + ["training.steps=5", "training.fault=nan@3"], run_dir=run)
+    proc = run_cli(QUICK + CKPT + ["training.steps=5"], run_dir=run, env=cli_env(**fault_env("nan@3")))
     assert proc.returncode == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
 

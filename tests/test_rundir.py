@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (FAST, ROOT, assert_ok, cli_env, read_metrics, run_cli, sigint_at_import, train_losses,
-                            wandb_history)
+from tests.conftest import (FAST, ROOT, assert_ok, cli_env, fault_env, read_metrics, run_cli, sigint_at_import,
+                            train_losses, wandb_history)
 
 QUICK = [a for a in FAST if not a.startswith(("training.steps", "logging.wandb"))]
 STEPS = 8
@@ -42,7 +42,7 @@ def kill_and_resume(tmp_path: Path, extra: list[str]) -> dict:
     straight = tmp_path / "straight"
     assert_ok(run_cli(QUICK + CKPT3 + extra, run_dir=straight))
     run = tmp_path / "run"
-    killed = run_cli(QUICK + CKPT3 + extra + ["training.fault=kill@6:rank0"], run_dir=run)
+    killed = run_cli(QUICK + CKPT3 + extra, run_dir=run, env=cli_env(**fault_env("kill@6:rank0")))
     assert killed.returncode != 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000003"]
     resumed = run_cli(QUICK + CKPT3 + extra + ["checkpoint.resume=auto"], run_dir=run)
@@ -241,7 +241,8 @@ def test_no_held_out_documents_turn_evaluation_off_and_json_has_no_nan(tmp_path)
 
 def test_summary_json_never_holds_nan(tmp_path):
     run = tmp_path / "r"
-    proc = run_cli(QUICK + ["training.steps=2", "training.fault=nan@2", "training.nan_policy=skip"], run_dir=run)
+    proc = run_cli(QUICK + ["training.steps=2", "training.nan_policy=skip"], run_dir=run,
+                   env=cli_env(**fault_env("nan@2")))
     assert_ok(proc)
     text = (run / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from qwen3_research import titan
-from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, cli_env, fault_env, read_metrics, run_cli, train_losses
 
 pytestmark = pytest.mark.tt022
 
@@ -172,7 +172,7 @@ def test_checkpoint_resume_reproduces_the_straight_run(tmp_path):
         "training.steps=6", "checkpoint.enable=true", "checkpoint.every=3"]
     straight, run = tmp_path / "straight", tmp_path / "run"
     assert_ok(run_cli([*base, "checkpoint.export_hf=true"], run_dir=straight))
-    killed = run_cli([*base, "training.fault=kill@4"], run_dir=run)
+    killed = run_cli(base, run_dir=run, env=cli_env(**fault_env("kill@4")))
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run_cli([*base, "checkpoint.resume=auto"], run_dir=run)
     assert_ok(resumed)
@@ -525,7 +525,8 @@ def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_si
         assert ("aux_loss" in rows[0]) == (name == "fsdp")
         if name == "ep2":
             assert "moe_balance=bias" in proc.stdout
-    killed = run_cli([*base, *ep, "training.fault=kill@3"], run_dir=tmp_path / "resumed", timeout=600)
+    killed = run_cli([*base, *ep], run_dir=tmp_path / "resumed", timeout=600,
+                     env=cli_env(**fault_env("kill@3")))
     assert killed.returncode != 0
     resumed = run_cli([*base, *ep, "checkpoint.resume=auto"], run_dir=tmp_path / "resumed", timeout=600)
     assert_ok(resumed)

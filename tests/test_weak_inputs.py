@@ -197,15 +197,15 @@ def test_a_corpus_file_without_text_is_refused_by_name(tmp_path, content, start)
 def test_a_failed_rank_is_one_line_without_the_agents_traceback(tmp_path):
     """torch elastic's agent logged the failed rank's traceback (43 lines of "E1206 … api.py:836] …", and a
     "Terminating process" warning) before the one line that names the cause; the traceback is in the run's log."""
-    from tests.conftest import FAST, run_cli
+    from tests.conftest import FAST, fault_env, run_cli
 
     run = tmp_path / "r"
-    proc = run_cli([*FAST, "training.steps=2", "optimizer.warmup_steps=0", "parallelism.nproc_per_node=2",
-                    "training.fault=raise@1:rank1"], run_dir=run)
+    proc = run_cli([*FAST, "training.steps=2", "optimizer.warmup_steps=0", "parallelism.nproc_per_node=2"], run_dir=run,
+                   env=cli_env(**fault_env("raise@1:rank1")))
     err = lines(proc.stderr)
     print(f"exit {proc.returncode}: {err}")
     assert proc.returncode == 1 and err == ["error: rank 1 failed (exit code 1): RuntimeError: injected failure at step 1 "
-                                            "on rank 1 (training.fault=raise@1:rank1)"], proc.stderr[-3000:]
+                                            "on rank 1 (QWEN3_TEST_FAULT=raise@1:rank1)"], proc.stderr[-3000:]
     assert "in _inject_fault" in (run / "__main__.log").read_text()
 
 

@@ -177,6 +177,8 @@ def _child(req: dict, fds: list[int], mask: set) -> None:
         import importlib
 
         importlib.invalidate_caches()
+        if any(os.path.isfile(os.path.join(p, "sitecustomize.py")) for p in added):
+            import sitecustomize  # noqa: F401  (a cold interpreter imports it as it starts: site; the server had none)
     import runpy
 
     code, by_sigint = 0, False

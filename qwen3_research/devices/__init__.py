@@ -115,19 +115,6 @@ def prepare_launch(device_type: str, lnc: int | None, world_size: int) -> None:
     get(device_type).prepare_launch(world_size)
 
 
-# -- test hook: stop once start-up validation has passed --------------------------------------------
-# QWEN3_VALIDATE_ONLY=1 makes `python -m qwen3_research`, `verify_kernels` and the doctor's --run checks stop
-# right before the first thing that needs the device (a worker, a Device, a model on it), exit 0, and print
-# VALIDATE_ONLY_LINE. Used by tests/test_docs_commands.py to prove every documented Trainium command passes
-# the project's own start-up validation on a simulated trn2 host; not a user option.
-VALIDATE_ONLY_ENV = "QWEN3_VALIDATE_ONLY"
-VALIDATE_ONLY_LINE = f"{VALIDATE_ONLY_ENV}=1 (test hook): start-up validation passed; stopping before the device is used"
-
-
-def validate_only() -> bool:
-    return os.environ.get(VALIDATE_ONLY_ENV) == "1"
-
-
 RUNTIME_NAMES = ("Device", "MemoryStats", "prepare_torchtitan", "after_sharding", "device_module", "device_name",
                  "rng_state", "set_rng_state", "record_memory_history", "dump_memory_snapshot")
 

@@ -31,7 +31,7 @@ from qwen3_research.run.checkpoint import find_checkpoint
 from qwen3_research.data import Tokenizer, tokenizer_path
 from qwen3_research.errors import ConfigError, ExportError, TrainingError, WorkerGroupError, check_writable
 from qwen3_research.resolve import (ResolvedRun, RunInfo, at_run_dir, resolve_before_hydra,  # noqa: F401  (re-exported)
-                                    resolve_run, under_torchrun, warn_kernel_matches)
+                                    resolve_run, under_torchrun)
 from qwen3_research.run.rundir import AlreadyComplete, RunDirLock, discard_earlier_run, read_summary
 from qwen3_research.signals import Interrupted, Terminated, signal_number
 from qwen3_research.startup import quiet_libraries
@@ -422,10 +422,6 @@ def run(cfg: DictConfig | None, run_dir: str, *, resolved: ResolvedRun | None = 
                 discard_earlier_run(rc, run_path)
         if _writes_run_files() and resolved.compile is not None:
             print(resolved.compile.describe(), flush=True)  # decided once at resolution, with its reason
-        if devices.validate_only():  # test hook (devices/__init__.py): every start-up check above passed; no worker, no summary
-            warn_kernel_matches(resolved.kernel_warnings)  # what the workers would have warned about
-            print(devices.VALIDATE_ONLY_LINE, flush=True)
-            return {"status": "validated"}
         compiling.export_cache_env(resolved.compile)  # before any worker starts: every rank and sweep point shares it
         info = RunInfo(run_dir=str(run_path), wandb_group=wandb_group or rc.logging.wandb.group,
                        wandb_name=wandb_name or rc.logging.wandb.name, swept=swept or {},
