@@ -26,13 +26,12 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research import resolve, slurm
+from qwen3_research import overrides, resolve, slurm
 from qwen3_research.compose import CONF_DIR, compose, format_compose_error
 from qwen3_research.config import register_configs
 from qwen3_research.errors import AlreadyComplete, ConfigError, ExportError, TrainingError, WorkerGroupError
 from qwen3_research.launch.slurm import preflight as slurm_preflight
-from qwen3_research.launch.sweep import (parse_overrides, prepare_point, stop_sweep, swept_keys_of_this_sweep,
-                                         wandb_group)
+from qwen3_research.launch.sweep import prepare_point, stop_sweep, swept_keys_of_this_sweep, wandb_group
 from qwen3_research.signals import Interrupted, Terminated, raise_terminated, signal_number
 from qwen3_research.startup import import_numpy_before_torch, quiet_libraries
 
@@ -54,11 +53,11 @@ _CHECKED_FLAGS = {"-m", "--multirun", "--cfg", "-c", "--resolve", "--package", "
 
 def _split_argv(argv: list[str]) -> tuple[list[str], set[str]]:
     """The plain overrides, and the Hydra flags given (a non-empty set: Hydra runs the invocation)."""
-    overrides, flags = [], set()
+    texts, flags = [], set()
     it = iter(range(len(argv)))
     for i in it:
         a = argv[i]
-        head = a.split("=", 1)[0]
+        head = a.split("=", 1)[0]  # why: a flag's name (--config-name=x), argparse's syntax, not an override's
         if a.startswith("-"):
             if head in _HYDRA_ONLY:
                 flags.add(head)
@@ -67,30 +66,28 @@ def _split_argv(argv: list[str]) -> tuple[list[str], set[str]]:
             if takes_value and "=" not in a:
                 next(it, None)  # the flag's value
         else:
-            overrides.append(a)
-    return overrides, flags
+            texts.append(a)
+    return texts, flags
 
 
-def check_override_syntax(overrides: list[str]) -> None:
+def check_override_syntax(texts: list[str]) -> None:
     """Every override is key=value (or ~key) in Hydra's grammar; else one line naming it, and the quoting
     that makes a value with spaces, parentheses, brackets, commas or quotes parse (a path, usually)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    for i, o in enumerate(overrides):
-        key, eq, value = o.partition("=")
-        if not eq and not o.startswith("~"):
-            prev = overrides[i - 1] if i else ""
-            split = prev.partition("=")
-            hint = (f"; if it is the rest of {split[0]}'s value (the shell splits at spaces), quote the whole "
-                    f"override: {_quoted(split[0], split[2] + ' ' + o)}") if split[1] else ""
-            _die(f"config error: {o!r} is not an override; write key=value (e.g. training.steps=10) or group=option "
-                 f"(e.g. model=native_moe); list them with --help{hint}")
+    for i, o in enumerate(texts):
         try:
-            parser.parse_overrides([o])
+            overrides.parse_one(o)
+            continue
         except Exception as e:  # noqa: BLE001 - Hydra's OverrideParseException, or a lexer error inside it
             why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            _die(f"config error: {key}: Hydra cannot parse the value {value!r} ({why}); quote it: {_quoted(key, value)}")
+        prefix, key, value = overrides.split_text(o)  # Hydra refused it: its parts by their characters
+        if value is None and prefix != "~":
+            prev = overrides.parse_one(texts[i - 1]) if i else None  # parsed: the loop stops at the first refusal
+            hint = (f"; if it is the rest of {prev.head}'s value (the shell splits at spaces), quote the whole "
+                    f"override: {_quoted(prev.head, prev.value + ' ' + o)}") if prev and prev.value is not None else ""
+            _die(f"config error: {o!r} is not an override; write key=value (e.g. training.steps=10) or group=option "
+                 f"(e.g. model=native_moe); list them with --help{hint}")
+        _die(f"config error: {prefix + key}: Hydra cannot parse the value {value or ''!r} ({why}); quote it: "
+             f"{_quoted(prefix + key, value or '')}")
 
 
 def _quoted(key: str, value: str) -> str:
@@ -105,23 +102,12 @@ def _quoted(key: str, value: str) -> str:
     return '"' + "".join("\\" + c if c in '\\"$`' else c for c in word) + '"'  # the shell's double quotes
 
 
-def preflight_overrides(overrides: list[str]) -> None:
+def preflight_overrides(texts: list[str]) -> None:
     """A sweep or ``--cfg``: the keys, types and options of the overrides, composed once with the first
     value of every swept key, so a typo is one line (exit 2) as for a single run. Values are not
     validated here: an impossible point of a sweep fails alone (sweep report, exit 3)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        firsts = []
-        for o in parsed:
-            if o.is_sweep_override():
-                value = next(iter(o.sweep_string_iterator()), None)
-                if value is None:
-                    continue
-                firsts.append(f"{o.input_line.split('=', 1)[0]}={value}")
-            else:
-                firsts.append(o.input_line)
+        firsts = overrides.first_values(texts)
     except Exception as e:  # noqa: BLE001 - Hydra's parser raises several types; all are config errors here
         _die(format_compose_error(e))
     try:
@@ -135,12 +121,12 @@ def preflight_overrides(overrides: list[str]) -> None:
 _RESOLVED: tuple[tuple[str, ...], object] | None = None
 
 
-def _task_key(overrides) -> tuple[str, ...]:
+def _task_key(texts) -> tuple[str, ...]:
     """The overrides Hydra hands the task (``hydra.overrides.task``): those of the config, not of Hydra itself."""
-    return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+    return tuple(o.text for o in overrides.parse(texts) if not overrides.is_hydra_key(o.key))
 
 
-def preflight(overrides: list[str]) -> str | None:
+def preflight(texts: list[str]) -> str | None:
     """Compose once and resolve once (``resolve.resolve_before_hydra``: ``resolve.resolve_run``, the same
     checks the launcher and every other entry point make, the kernel targets on a meta-device model included, then
     the run dir); exit 2 with one line on any configuration error, before Hydra creates anything. The result is
@@ -148,7 +134,7 @@ def preflight(overrides: list[str]) -> str | None:
     a rank other than 0 under torchrun, which gets rank 0's)."""
     global _RESOLVED
     try:
-        composed = compose(overrides, return_hydra_config=True)
+        composed = compose(texts, return_hydra_config=True)
         import_numpy_before_torch(BEFORE_TRAINING)  # the config composed: torch may load from here (resolve)
         cfg = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
         _quiet_c10d_retries(OmegaConf.select(cfg, "parallelism.nnodes", throw_on_resolution_failure=False))
@@ -162,7 +148,7 @@ def preflight(overrides: list[str]) -> str | None:
     except AlreadyComplete as done:  # a finished run asked to resume: nothing to train, nothing written
         print(str(done), flush=True)
         sys.exit(0)
-    _RESOLVED = (_task_key(overrides), run)
+    _RESOLVED = (_task_key(texts), run)
     return run.run_dir
 
 
@@ -200,11 +186,11 @@ def _wandb_identity() -> tuple[str | None, str | None, dict]:
         return None, None, {}
     sweep_dir = Path(hc.sweep.dir)
     group = wandb_group(sweep_dir)
-    overrides = parse_overrides(list(hc.overrides.task))
+    values = overrides.point_values(hc.overrides.task)
     params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
     keys = swept_keys_of_this_sweep(params, sys.argv[1:])
     # In-process launchers see the sweep's command line; elsewhere every override counts.
-    swept = {k: v for k, v in overrides.items() if k in keys} or overrides
+    swept = {k: v for k, v in values.items() if k in keys} or values
     name = ",".join(f"{k}={v}" for k, v in swept.items()) or f"job{hc.job.num}"
     return group, name, swept
 
@@ -278,25 +264,25 @@ def main() -> None:
         _interrupted(signal.SIGTERM)
 
 
-def _names_run_dir(overrides: list[str]) -> bool:
-    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in overrides)
+def _names_run_dir(texts: list[str]) -> bool:
+    return overrides.sets(texts, "hydra.run.dir")
 
 
 def _main() -> None:
-    overrides, flags = _split_argv(sys.argv[1:])
+    texts, flags = _split_argv(sys.argv[1:])
     passthrough = bool(flags)
-    check_override_syntax(overrides)
+    check_override_syntax(texts)
     try:  # hydra/launcher=slurm: partition and node count, before anything is submitted
-        slurm_preflight(overrides)
+        slurm_preflight(texts)
     except ConfigError as e:
         _die(f"config error: {e}")
     if flags and flags <= _CHECKED_FLAGS:  # ad hoc sweeps and --cfg on conf/config.yaml (not named sweeps)
-        preflight_overrides(overrides)
+        preflight_overrides(texts)
     if not passthrough:
-        run_dir = preflight(overrides)
+        run_dir = preflight(texts)
         if resolve.under_torchrun():  # one run dir for all ranks, agreed before Hydra creates it
-            sys.argv += _launch().torchrun_overrides(overrides, run_dir)
-        elif run_dir is not None and not _names_run_dir(overrides):  # Hydra's run uses the dir checked (${now:})
+            sys.argv += _launch().torchrun_overrides(texts, run_dir)
+        elif run_dir is not None and not _names_run_dir(texts):  # Hydra's run uses the dir checked (${now:})
             sys.argv.append(f"hydra.run.dir={json.dumps(run_dir)}")
     import_numpy_before_torch(BEFORE_TRAINING)  # a sweep or a Hydra flag: before Hydra runs the task (torch)
     _task()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qwen3_research import overrides
 from qwen3_research.config import register_configs
 from qwen3_research.errors import ConfigError, log_call
 
@@ -103,30 +104,9 @@ def format_compose_error(e: BaseException) -> str:
     return f"config error: {first.strip()}"
 
 
-_SWEEP_FUNCS = ("range(", "choice(", "interval(", "glob(", "tag(")
-
-
-def is_sweep_value(value: str) -> bool:
-    """Whether an override's value is one a sweeper expands (``1,2``, ``range(…)``, ``choice(…)``, …)."""
-    depth = 0
-    for ch in value:
-        depth += ch in "[{("
-        depth -= ch in "]})"
-        if ch == "," and depth == 0:
-            return True
-    return value.startswith(_SWEEP_FUNCS)
-
-
 def swept_keys_of_this_sweep(sweeper_params: dict | None, argv: list[str]) -> set[str]:
     """Keys the sweep varies: the sweeper's params plus command-line overrides with sweep syntax."""
-    keys = {str(k) for k in (sweeper_params or {})}
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, _, value = arg.partition("=")
-        if is_sweep_value(value):
-            keys.add(key.lstrip("+~"))
-    return keys
+    return {str(k) for k in (sweeper_params or {})} | overrides.swept_keys(argv)
 
 
 # A sweep point's directory name (hydra.sweep.subdir in conf/config.yaml): its number and the swept keys' values,
@@ -138,20 +118,15 @@ POINT_DIR_MAX = 80  # characters; a longer name keeps its first part and a hash 
 _POINT_VALUE_SAFE = "._-+"  # every other character of a value is percent-encoded (no `/`; reversible: no collisions)
 
 
-def point_dir_name(num, overrides: list[str], swept: set[str] | None) -> str:
+def point_dir_name(num, point_overrides: list[str], swept: set[str] | None) -> str:
     """``<num>_<key>=<value>,…`` over the swept keys (all overrides when ``swept`` is None, e.g. a launcher that
     does not see the sweep's command line), values percent-encoded; over POINT_DIR_MAX characters, the first
     part and a short hash of the whole name."""
     import hashlib
     from urllib.parse import quote
 
-    items = []
-    for item in overrides:
-        key, _, value = str(item).partition("=")
-        key = key.lstrip("+~")
-        if key.startswith("hydra.") or key == "logging.wandb.mode" or (swept is not None and key not in swept):
-            continue
-        items.append(f"{quote(key, safe=_POINT_VALUE_SAFE)}={quote(value, safe=_POINT_VALUE_SAFE)}")
+    items = [f"{quote(key, safe=_POINT_VALUE_SAFE)}={quote(value, safe=_POINT_VALUE_SAFE)}"
+             for key, value in overrides.point_values(point_overrides).items() if swept is None or key in swept]
     name = f"{num}_{','.join(items)}" if items else str(num)
     if len(name) > POINT_DIR_MAX:
         name = f"{name[:POINT_DIR_MAX - 9]}~{hashlib.sha256(name.encode()).hexdigest()[:8]}"

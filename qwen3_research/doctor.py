@@ -43,7 +43,7 @@ if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 1
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from qwen3_research import devices, titan  # noqa: E402
+from qwen3_research import devices, overrides, tables, titan  # noqa: E402
 from qwen3_research.compose import CONF_DIR, compose  # noqa: E402
 from qwen3_research.config import to_run_config  # noqa: E402
 from qwen3_research.errors import ConfigError  # noqa: E402
@@ -242,11 +242,7 @@ def _config_exit(message: str) -> int:
 
 
 def format_table(rows: list[Row], title: str) -> str:
-    w1 = max(len(r.item) for r in rows)
-    w3 = max([len("status")] + [len(r.status) for r in rows])
-    lines = [title, f"{'check':<{w1}}  {'status':<{w3}}  value", f"{'-' * w1}  {'-' * w3}  {'-' * 5}"]
-    lines += [f"{r.item:<{w1}}  {r.status:<{w3}}  {r.value}" for r in rows]
-    return "\n".join(lines)
+    return title + "\n" + tables.render(["check", "status", "value"], [[r.item, r.status, r.value] for r in rows])
 
 
 # -- --run: the first-hardware check ---------------------------------------------------------------
@@ -277,10 +273,11 @@ def verify_args(option: str, device: str, lnc: int | None) -> list[str]:
     return args + list(dict.fromkeys(extra))
 
 
-def first_hardware_check(overrides: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
-    run_overrides = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("model", "kernels"))]
+def first_hardware_check(texts: list[str], ctx: dict, timeout: float = 1800) -> list[Row]:
+    parsed = [o for o in overrides.parse(texts) if not o.key.startswith(("model", "kernels"))]
+    run_overrides = [o.text for o in parsed]
     if devices.get(ctx["device"]).doctor_one_process:  # neuron: one NeuronCore per check (lnc.prepare_neuron_cores)
-        run_overrides = [o for o in run_overrides if not o.startswith("parallelism")] + ["parallelism=single",
+        run_overrides = [o.text for o in parsed if not o.key.startswith("parallelism")] + ["parallelism=single",
                                                                                           "parallelism.nproc_per_node=1"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen3_doctor_") as tmp:
@@ -310,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in args if a.startswith("-") and a != "--run"]
     if unknown:
         return _config_exit(f"doctor: unknown option {unknown[0]}; use --run or key=value overrides")
-    overrides = [a for a in args if not a.startswith("-")]
+    texts = [a for a in args if not a.startswith("-")]
     try:
-        rows, ctx = collect(overrides)
+        rows, ctx = collect(texts)
     except SystemExit as e:
         return int(e.code or 0)
     print(format_table(rows, "qwen3_research doctor: what a run with these overrides would use here"))
@@ -326,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--run" not in args:
         return 0
     print(f"\nfirst-hardware check on {ctx['device']} (2-step tiny runs, then verify_kernels):", flush=True)
-    checks = first_hardware_check(overrides, ctx)
+    checks = first_hardware_check(texts, ctx)
     print(format_table(checks, "results"))
     failed = [r for r in checks if r.status != "pass"]
     print(f"\n{len(checks) - len(failed)}/{len(checks)} checks pass")

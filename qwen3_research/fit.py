@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from qwen3_research import devices
 from qwen3_research import models
+from qwen3_research import overrides
 from qwen3_research.planner import GIB, capacity, estimate, make_plan
 from qwen3_research.resolve import ResolvedRun, resolve_run
 
@@ -102,19 +103,18 @@ def replace_overrides(args: list[str], changes: dict) -> list[str]:
     """``args`` (a command line's overrides) with ``changes`` applied: a key given there is replaced in place, a new
     one appended (Hydra refuses the same key twice)."""
     out, done = [], set()
-    for a in args:
-        key = a.split("=", 1)[0].lstrip("+~")
-        if key in changes and "=" in a:
-            out.append(f"{key}={_fmt(changes[key])}")
-            done.add(key)
+    for o in overrides.parse(args):
+        if o.key in changes and o.value is not None:
+            out.append(f"{o.key}={_fmt(changes[o.key])}")
+            done.add(o.key)
         else:
-            out.append(a)
+            out.append(o.text)
     return out + [f"{k}={_fmt(v)}" for k, v in changes.items() if k not in done]
 
 
 def explicit_keys(args: list[str]) -> set[str]:
     """The knob keys a command line sets itself (frozen in the search)."""
-    return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a} & set(KNOB_KEYS)
+    return {o.key for o in overrides.parse(args) if o.value is not None} & set(KNOB_KEYS)
 
 
 def _divisors(n: int) -> list[int]:

@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwen3_research import compiling, models, parallel, titan
+from qwen3_research import compiling, models, parallel, tables, titan
 from qwen3_research import devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
@@ -360,7 +360,7 @@ def _compile_and_step_time(plan: Plan, run, gpu_peak: float | None) -> None:
 
 def render(plan: Plan) -> str:
     def g(x):
-        return f"{x / GIB:8.3f}"
+        return f"{x / GIB:.3f}"
 
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
@@ -369,24 +369,19 @@ def render(plan: Plan) -> str:
                      "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
     # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
     cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
-    head = "GiB per rank".ljust(22) + "".join(name.rjust(12) for name, _ in cols) + "closed form".rjust(13)
-    lines += [head, "-" * len(head)]
     est = plan.ranks[0].estimate
-    rows = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
-            ("backward temps", "backward temps"), ("buffers", "buffers")]
-    for label, key in rows:
-        lines.append(label.ljust(22) + "".join(g(r.traced.get(key, 0)).rjust(12) for _, r in cols)
-                     + (g(est[key]).rjust(13) if key in est else "-".rjust(13)))
+    body = []
+    for key in ("params", "grads", "optimizer", "activations", "backward temps", "buffers"):
+        body.append([key, *(g(r.traced.get(key, 0)) for _, r in cols), g(est[key]) if key in est else "-"])
         if key == "params" and any(r.param_shards is not None and (r.params_max or 0) > r.param_shards
                                    for _, r in cols):  # FSDP's gathered copies (bf16 under mixed_precision=bf16)
-            lines.append("  most gathered".ljust(22)
-                         + "".join(g((r.params_max or 0) - (r.param_shards or 0)).rjust(12) for _, r in cols)
-                         + "-".rjust(13))
+            body.append(["most gathered", *(g((r.params_max or 0) - (r.param_shards or 0)) for _, r in cols), "-"])
     for key in ("logits and loss", "fsdp gathered", "kernel saved"):
-        if key in est:
-            lines.append(key.ljust(22) + "(in the above)".rjust(12 * len(cols)) + g(est[key]).rjust(13))
-    lines.append("peak (live tensors)".ljust(22) + "".join(g(r.peak).rjust(12) for _, r in cols)
-                 + (g(est["peak"]).rjust(13) if est else "-".rjust(13)))
+        if key in est:  # a closed-form term the traced rows already hold
+            body.append([key, *([""] * (len(cols) - 1)), "(in the above)", g(est[key])])
+    body.append(["peak (live tensors)", *(g(r.peak) for _, r in cols), g(est["peak"]) if est else "-"])
+    lines.append(tables.render(["GiB per rank", *(name for name, _ in cols), "closed form"], body,
+                               align=["left"] + ["right"] * (len(cols) + 1)))
     if plan.kernel_lines:
         lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
         lines += [f"  {ln}" for ln in plan.kernel_lines]

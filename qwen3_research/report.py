@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from qwen3_research import overrides, tables
 EXIT_SOME_FAILED = 3  # a sweep finished, but at least one point failed
 
 
@@ -49,8 +52,8 @@ class RunRecord:
     def planned_steps(self) -> int | None:
         path = self.run_dir / ".hydra" / "config.yaml"
         try:
-            return int((yaml.safe_load(path.read_text()) or {}).get("training", {}).get("steps"))
-        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+            return int(OmegaConf.select(OmegaConf.load(path), "training.steps", throw_on_missing=True))
+        except (OSError, ValueError, TypeError, OmegaConfBaseException, yaml.YAMLError):
             return None
 
     def best_eval_loss(self) -> float | None:
@@ -78,17 +81,11 @@ class RunRecord:
 
 
 def _read_overrides(run_dir: Path) -> dict[str, str]:
+    """The run's own overrides (Hydra's ``.hydra/overrides.yaml``), key -> value as typed."""
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
-    out = {}
-    for item in yaml.safe_load(path.read_text()) or []:
-        key, _, value = str(item).partition("=")
-        key = key.lstrip("+~")
-        if key.startswith("hydra.") or key in ("logging.wandb.mode",):
-            continue
-        out[key] = value
-    return out
+    return overrides.point_values(OmegaConf.to_container(OmegaConf.load(path), resolve=False) or [])  # as written
 
 
 def read_metrics(path: Path) -> tuple[list[dict], str | None]:
@@ -188,11 +185,7 @@ def _cell(v: Any) -> str:
 
 
 def render_text(header: list[str], body: list[list[Any]]) -> str:
-    cells = [header] + [[_cell(v) for v in row] for row in body]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return tables.render(header, [[_cell(v) for v in row] for row in body])
 
 
 def render_markdown(header: list[str], body: list[list[Any]]) -> str:
@@ -305,7 +298,7 @@ def sweep_points(runs: list[RunRecord], paths: list[Path]) -> list[dict]:
     for num, entry in sorted(plan.items()):
         if num in seen:
             continue
-        over = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in entry.get("overrides", []) if "=" in o}
+        over = overrides.point_values(entry.get("overrides", []))
         rows.append({"point": f"{num} (planned)", "key_x": kx, "x": over.get(kx, ""), "key_y": ky, "y": over.get(ky, ""),
                      "status": "not run", "tokens_per_s": None, "mfu": None, "peak_mem_gib": None,
                      "peak_mem_gib_per_rank": None, "predicted_peak_gib": entry.get("predicted_peak_gib"),

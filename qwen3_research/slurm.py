@@ -49,7 +49,7 @@ def node_addr(name: str) -> str:
     """The address Slurm reaches node ``name`` at (``NodeAddr``; the name itself when Slurm has none)."""
     out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True,
                          timeout=SLURM_TIMEOUT_S).stdout
-    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)  # why: scontrol's Key=Value, not overrides
     return fields.get("NodeAddr") or name
 
 

@@ -16,7 +16,6 @@ of documents whatever the dataset's size; the windows, their seeded order and re
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
+import filelock
 import numpy as np
 
 from qwen3_research.errors import TrainingError, write_failure
@@ -91,8 +91,7 @@ def open_or_build(cfg, tokenizer, documents: Callable[[], Iterator[tuple[str, st
     final = cache_root / "tokens" / f"hf-{cache_key(cfg, tokenizer.sha256)}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        with open(final.with_name(final.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one build; whoever waited finds it complete
+        with filelock.FileLock(final.with_name(final.name + ".lock")):  # one build; whoever waited finds it complete
             try:
                 return final, json.loads((final / META).read_text())
             except (OSError, ValueError):

@@ -93,8 +93,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.compiling"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.devices", "qwen3_research.devices.*",
                   "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
-                  "qwen3_research.allocator"]),
-    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors"]),
+                  "qwen3_research.allocator", "qwen3_research.tables"]),
+    ("base", ["qwen3_research", "qwen3_research.config", "qwen3_research.errors", "qwen3_research.overrides"]),
 ]
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 
+from qwen3_research import overrides
 from qwen3_research.devices import cpu, cuda, neuron  # each registers its spec
 from qwen3_research.devices.cpu import cpu_isa
 from qwen3_research.devices.cuda import GPU_FP32_BY_BF16_PEAK, PLANNED_GPUS, planned_gpu, tf32_enabled
@@ -62,8 +63,9 @@ def device_kind(requested: str = AUTO, argv: list[str] | None = None) -> str:
     neuron, cuda, cpu) whose ``present()`` says this host has it (TorchNeuron installed; the NVIDIA driver lists a
     GPU that CUDA_VISIBLE_DEVICES does not hide). Any other value is returned as given (the config's checks name it)."""
     for a in argv or ():
-        key, eq, value = a.partition("=")
-        if eq and key.lstrip("+") in DEVICE_KEYS:
+        # why the text alone: this runs before the allocator's re-exec, where Hydra's parser (~0.3 s) is not loaded
+        prefix, key, value = overrides.split_text(a)
+        if value is not None and prefix != "~" and key in DEVICE_KEYS:
             requested = value.strip()
     if requested != AUTO:
         return requested

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from qwen3_research import compiling
 from qwen3_research import devices
-from qwen3_research import models, slurm, startup
+from qwen3_research import models, overrides, slurm, startup
 from qwen3_research.compose import compose
 from qwen3_research.config import RunConfig
 from qwen3_research.parallel import rendezvous
@@ -43,7 +43,7 @@ def _writes_run_files() -> bool:
     return (not under_torchrun() or os.environ.get("RANK", "0") == "0") and slurm.node_rank() == 0
 
 
-def torchrun_overrides(overrides: list[str], run_dir: str | None = None, timeout_s: float = 300.0) -> list[str]:
+def torchrun_overrides(texts: list[str], run_dir: str | None = None, timeout_s: float = 300.0) -> list[str]:
     """Extra Hydra overrides that give every torchrun rank the same run dir (call before Hydra).
 
     Every rank composes on its own under torchrun, and ``${now:}`` would give each its own
@@ -56,14 +56,14 @@ def torchrun_overrides(overrides: list[str], run_dir: str | None = None, timeout
 
     rank = int(os.environ.get("RANK", "0"))
     quiet = [] if rank == 0 else ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    if any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in overrides):
+    if overrides.sets(texts, "hydra.run.dir"):
         return quiet
     store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(seconds=timeout_s))
     key = f"qwen3_research/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         if run_dir is None:
-            run_dir = str(compose(overrides, return_hydra_config=True).hydra.run.dir)
+            run_dir = str(compose(texts, return_hydra_config=True).hydra.run.dir)
         run_dir = os.path.abspath(run_dir)
         store.set(key, run_dir)
     else:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from qwen3_research.compose import compose, is_sweep_value
+from qwen3_research import overrides
+from qwen3_research.compose import compose
 from qwen3_research.errors import ConfigError
 from qwen3_research.slurm import SLURM_TIMEOUT_S
 
 
-def uses_slurm(overrides: list[str]) -> bool:
-    return any(o.replace(" ", "") in ("hydra/launcher=slurm", "+hydra/launcher=slurm") for o in overrides)
+def uses_slurm(texts: list[str]) -> bool:
+    return any(o.key == "hydra/launcher" and o.prefix in ("", "+") and (o.value or "").strip() == "slurm"
+               for o in overrides.parse(texts))
 
 
 def partitions() -> dict[str, dict]:
@@ -37,7 +39,7 @@ def partitions() -> dict[str, dict]:
         raise ConfigError(f"hydra/launcher=slurm: scontrol show partition failed ({first}); check `sinfo`")
     parts = {}
     for line in out.stdout.splitlines():
-        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)  # why: scontrol's Key=Value, not overrides
         if "PartitionName" in fields:
             parts[fields["PartitionName"]] = fields
     return parts
@@ -62,16 +64,17 @@ def check_request(partition: str | None, nnodes: int) -> None:
                           f"parallelism.nnodes<={total} or hydra.launcher.partition to a larger partition")
 
 
-def preflight(overrides: list[str]) -> None:
+def preflight(texts: list[str]) -> None:
     """Raise ConfigError when a ``hydra/launcher=slurm`` request cannot be met. Swept values are not checked."""
-    if not uses_slurm(overrides):
+    if not uses_slurm(texts):
         return
-    fixed = [o for o in overrides if not is_sweep_value(o.partition("=")[2])]
+    parsed = overrides.parse(texts)
+    fixed = [o.text for o in parsed if not o.sweep]
     try:
         cfg = compose(fixed, return_hydra_config=True)
         partition = cfg.hydra.launcher.get("partition")
         nnodes = int(cfg.parallelism.nnodes)
     except Exception:  # noqa: BLE001 - a bad override is reported by Hydra itself, in each point
         return
-    swept_nodes = any(o.split("=", 1)[0].lstrip("+~") == "parallelism.nnodes" for o in overrides if o not in fixed)
+    swept_nodes = any(o.key == "parallelism.nnodes" for o in parsed if o.sweep)
     check_request(partition, 1 if swept_nodes else nnodes)

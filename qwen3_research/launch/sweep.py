@@ -12,7 +12,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research import devices
+from qwen3_research import devices, overrides
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
 from qwen3_research.config import WandbConfig
 from qwen3_research.errors import ConfigError
@@ -20,16 +20,6 @@ from qwen3_research.report import EXIT_SOME_FAILED, POINT_COLUMNS, best_point_li
 from qwen3_research.resolve import ResolvedRun, planned_elsewhere, resolve_run
 from qwen3_research.signals import Interrupted, signal_number
 from qwen3_research.startup import quiet_libraries
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, str]:
-    out = {}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        key = key.lstrip("+~")
-        if not key.startswith("hydra.") and key != "logging.wandb.mode":
-            out[key] = value
-    return out
 
 
 class SweepReport(Callback):
@@ -172,8 +162,8 @@ EXIT_SOME_SKIPPED = 5
 PLAN_FILE = "plan.json"
 
 
-def _point_key(overrides) -> str:
-    return json.dumps(sorted(str(o) for o in overrides))
+def _point_key(texts) -> str:
+    return json.dumps(sorted(str(o) for o in texts))
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
@@ -184,11 +174,10 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     if "BasicSweeper" not in str(hc.sweeper.get("_target_", "")):
         return None
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = OmegaConf.to_container(hc.sweeper.params) if hc.sweeper.get("params") else {}
     args = [f"{k}={v}" for k, v in (params or {}).items()] + list(hc.overrides.task)
-    parsed = OverridesParser.create().parse_overrides(args)
+    parsed = overrides.hydra_parse(args)
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
@@ -250,7 +239,7 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print, resolutions: di
     params = OmegaConf.to_container(config.hydra.sweeper.params) if config.hydra.sweeper.get("params") else {}
     swept = swept_keys_of_this_sweep(params, sys.argv[1:])  # sweep.plan=fit keeps these as swept
     for num, job in enumerate(jobs):
-        label = ",".join(o for o in job if _is_point_override(o, config)) or f"job{num}"
+        label = ",".join(o.text for o in overrides.parse(job) if overrides.is_point_key(o.key)) or f"job{num}"
         try:
             composed = compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
             run, runnable = resolve_point(composed)  # its own seed, lr, … too where the plan is shared
@@ -307,11 +296,6 @@ def _get(config: dict, dotted: str):
     for key in dotted.split("."):
         node = node[key]
     return node
-
-
-def _is_point_override(override: str, config: DictConfig) -> bool:
-    key = override.split("=", 1)[0].lstrip("+~")
-    return not key.startswith("hydra.") and key != "logging.wandb.mode"
 
 
 def _move_previous_attempt(run_dir: Path) -> Path | None:

@@ -6,8 +6,8 @@
   (``checkpoint.overwrite=true``), or would be resumed under another data layout; a finished run asked
   to resume is ``AlreadyComplete`` (exit 0, nothing written); with ``checkpoint.export_hf`` a run is finished
   once its export is (a run stopped during it exports on resume).
-- ``RunDirLock``: one process writes a run directory at a time (an ``flock`` on ``.qwen3_research.lock``,
-  released by the kernel when its holder dies, so a stale lock of a dead pid is detected and taken over).
+- ``RunDirLock``: one process writes a run directory at a time (a ``filelock.FileLock`` on ``.qwen3_research.lock``:
+  an ``flock``, released by the kernel when its holder dies, so a stale lock of a dead pid is detected and taken over).
   Only the process that writes the run files takes it: the launcher, rank 0 under torchrun, the first
   Slurm node.
 - the W&B run id lives in ``wandb_run.json`` so a resumed run continues the same W&B run.
@@ -15,14 +15,16 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
+
+import filelock
 
 from qwen3_research import models, slurm
 from qwen3_research.data import _sha256, data_layout, tokenizer_path
@@ -164,55 +166,50 @@ def _pid_alive(pid) -> bool:
     return True
 
 
+_PROBE_TRIES, _PROBE_WAIT_S = 3, 0.02  # a probe's contention counts once it outlasts 3 tries 20 ms apart
+
+
 def lock_holder(run_dir: Path) -> dict | None:
-    """The holder's {pid, host} while a live process holds the lock, else None (no lock, or a stale one)."""
+    """The holder's {pid, host} while a live process holds the lock, else None (no lock, or a stale one).
+
+    filelock has no shared lock: the probe takes the lock itself, non-blocking, on a descriptor of its own
+    (``filelock.lock_descriptor``, the primitive ``FileLock`` uses) and lets it go at once. Two probes at the same
+    moment would see each other (a probe holds it for microseconds), so contention counts as a holder only when it
+    lasts over ``_PROBE_TRIES`` tries; an owner holds it for its whole run. The probe creates no file."""
     path = Path(run_dir) / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
+    for attempt in range(_PROBE_TRIES):
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                return json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                return {}
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if filelock.lock_descriptor(fd, blocking=False):
+                filelock.unlock_descriptor(fd)
+                return None
+        finally:
+            os.close(fd)
+        if attempt + 1 < _PROBE_TRIES:
+            time.sleep(_PROBE_WAIT_S)
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
 
 
 class RunDirLock:
-    """Exclusive ownership of a run directory for this process's lifetime (or until ``release``)."""
+    """Exclusive ownership of a run directory for this process's lifetime (or until ``release``): a ``FileLock``
+    taken without waiting (another owner: a ConfigError naming it), the holder's {pid, host} written into the lock
+    file once held (``on_acquired``), the file removed on release so a finished run leaves no lock behind."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME
-        self.fd: int | None = None
+        self._held: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this process holds
+        # thread_local=False: the process owns the directory, whichever thread releases it
+        self._lock = filelock.FileLock(self.path, blocking=False, thread_local=False, on_acquired=self._claim)
 
-    def acquire(self) -> "RunDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                holder = lock_holder(self.path.parent) or {}
-                raise ConfigError(
-                    f"hydra.run.dir={self.path.parent} is in use by pid {holder.get('pid', '?')} on "
-                    f"{holder.get('host', '?')} ({LOCK_NAME}); wait for that run to end, or choose another hydra.run.dir"
-                ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the holder released (unlinked) it between our open and flock: try again
-        old = os.read(fd, 4096)
+    def _claim(self, fd: int) -> None:
+        """Inside the acquisition, on the locked descriptor: note a stale holder's record, write ours."""
+        old = os.pread(fd, 4096, 0)
         if old.strip():
             try:
                 prev = json.loads(old)
@@ -220,22 +217,39 @@ class RunDirLock:
                       f"(not running) in {self.path.parent}", file=sys.stderr, flush=True)
             except ValueError:
                 pass
-        os.lseek(fd, 0, os.SEEK_SET)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(_lock_info()).encode())
-        self.fd = fd
-        return self
+        os.pwrite(fd, json.dumps(_lock_info()).encode(), 0)
+        st = os.fstat(fd)
+        self._held = (st.st_dev, st.st_ino)
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(_PROBE_TRIES):
+            try:
+                self._lock.acquire()
+                return self
+            except filelock.Timeout:
+                holder = lock_holder(self.path.parent)
+                if holder is None:  # the holder released (and removed) it between filelock's open and lock: again
+                    continue
+                raise ConfigError(
+                    f"hydra.run.dir={self.path.parent} is in use by pid {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')} ({LOCK_NAME}); wait for that run to end, or choose another hydra.run.dir"
+                ) from None
+        raise ConfigError(f"hydra.run.dir={self.path.parent}: its lock ({LOCK_NAME}) changed hands {_PROBE_TRIES} "
+                          "times while this run tried to take it; run again, or choose another hydra.run.dir")
 
     def release(self) -> None:
-        if self.fd is None:
+        if self._held is None:
             return
-        try:
-            if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
+        try:  # removed while still held, and only the file this process holds (not a later owner's)
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._held:
                 self.path.unlink()
         except OSError:
             pass
-        os.close(self.fd)
-        self.fd = None
+        self._held = None
+        self._lock.release()
 
     def __enter__(self):
         return self.acquire()
