@@ -214,7 +214,10 @@ def _task(cfg: DictConfig):
     multirun = hc.mode.name == "MULTIRUN"
     prediction = None
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
-        done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        try:
+            done, prediction, cfg = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task), hc.sweep.dir)
+        except ConfigError as e:  # the point's directory is another live process's: the sweep stops, one line
+            _die(f"config error: {e}")
         if done is not None:
             return done
     # The run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again
