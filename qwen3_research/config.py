@@ -186,8 +186,10 @@ class CompileConfig:
     fullgraph: bool = False
     # One compile cache for every run and sweep point (inductor's FX graph / AOT autograd / autotune caches, Triton's,
     # TorchNeuron's NEFFs), in a subdirectory keyed by torch version, device and driver/compiler version, set in the
-    # environment before any worker starts. None: leave the environment (and torch's defaults) alone.
-    cache_dir: Optional[str] = "~/.cache/qwen3_research/compile"
+    # environment before any worker starts. auto: compile/ in the project's cache folder (QWEN3_RESEARCH_CACHE, else
+    # ~/.cache/qwen3_research); a directory that cannot be written is a config error at start-up. None: leave the
+    # environment (and torch's defaults) alone.
+    cache_dir: Optional[str] = "auto"
     cache_key_extra: str = ""  # appended to the key: a different value never reuses an entry (tests simulate a torch upgrade)
 
 
