@@ -204,8 +204,11 @@ def _task(cfg: DictConfig):
     prediction = None
     if multirun:  # resumed (already ok) or predicted not to fit: not started (qwen3_research.launch.sweep)
         # resolved: the resolution the point's plan made, when it runs that config (not resolved again)
-        done, prediction, cfg, resolved = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task),
-                                                        hc.sweep.dir)
+        try:
+            done, prediction, cfg, resolved = prepare_point(cfg, hc.runtime.output_dir, list(hc.overrides.task),
+                                                            hc.sweep.dir)
+        except ConfigError as e:  # the point's directory is another live process's: the sweep stops, one line
+            _die(f"config error: {e}")
         if done is not None:
             return done
     else:  # the run resolved (and its run dir checked) before Hydra started, when it is this one: not resolved again

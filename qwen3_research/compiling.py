@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from qwen3_research import devices
-from qwen3_research.errors import ConfigError
+from qwen3_research.errors import LOW_SPACE, ConfigError
 
 # The compiled run's peak over the eager run's, measured on one H200 (Qwen3-0.6B seq 2048 x 8 bf16, torch 2.11,
 # torchtitan 0.2.2; GUIDE §9): 56.8 / 70.0 GiB. The plan traces the eager step and prints this factor beside it.
@@ -91,11 +92,56 @@ def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker
         enable, reason = False, f"auto: {device_type} compiled has not been measured"
     if not enable or not c.cache_dir:
         return CompileDecision(enable, reason, backend)
-    root = str(Path(os.path.expanduser(c.cache_dir)).absolute())
+    root = cache_root(c.cache_dir)
+    if probe:  # a cache this host cannot write is refused now (a plan for another host writes nothing here)
+        refuse_unwritable_cache(root, c.cache_dir)
     key = cache_key(device_type, c.cache_key_extra, probe=probe)
     keyed = Path(root) / key
     warm = keyed.is_dir() and any(p.is_file() for p in keyed.rglob("*"))
     return CompileDecision(enable, reason, backend, root, key, "warm" if warm else "cold")
+
+
+DEFAULT_CACHE_DIR = "auto"  # compile.cache_dir's default: <the project's cache folder>/compile
+
+
+def cache_root(configured: str) -> str:
+    """compile.cache_dir as an absolute path: ``auto`` is ``compile/`` in the project's cache folder
+    (QWEN3_RESEARCH_CACHE, else $XDG_CACHE_HOME/qwen3_research, as ``devices.host.cache_dir``, not created here)."""
+    if configured == DEFAULT_CACHE_DIR:
+        base = os.environ.get("QWEN3_RESEARCH_CACHE") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qwen3_research")
+        return str(Path(base, "compile").absolute())
+    return str(Path(os.path.expanduser(configured)).absolute())
+
+
+def refuse_unwritable_cache(root: str, configured: str) -> None:
+    """ConfigError (one line, before any worker starts; nothing written to find out) when the compile cache cannot
+    take files: a file in its place, a read-only or not writable directory, or less than ``LOW_SPACE`` free. Was:
+    a Hydra traceback at the launcher's mkdir, or 236 lines of inductor error at step 1 on a full disk, naming
+    neither the directory nor the key that moves it (issue 40)."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    why = None
+    if not probe.is_dir():
+        why = f"{probe} is a file, not a directory"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        try:
+            read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = f"{probe} is {'on a read-only file system' if read_only else 'not writable for this user'}"
+    else:
+        free = shutil.disk_usage(probe).free
+        if free < LOW_SPACE:
+            why = f"{probe} has {free / 2**20:.1f} MiB free (No space left on device for compiled kernels)"
+    if why is None:
+        return
+    moves = ("compile.cache_dir (default: QWEN3_RESEARCH_CACHE/compile)" if configured == DEFAULT_CACHE_DIR
+             else "compile.cache_dir")
+    raise ConfigError(f"compile.cache_dir={configured}: the compile cache {root} cannot be written: {why}; point "
+                      f"{moves} at a writable directory with space, or use compile.cache_dir=null (torch's own "
+                      "cache) or compile.enable=false")
 
 
 def cache_key(device_type: str, extra: str = "", *, probe: bool = True) -> str:
@@ -123,7 +169,12 @@ def export_cache_env(decision: CompileDecision, env=None) -> dict:
     if not decision.enable or decision.cache_dir is None:
         return {}
     d = Path(decision.cache_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # checked at start-up (refuse_unwritable_cache); changed since: the same one line
+        refuse_unwritable_cache(decision.cache_root, str(decision.cache_root))
+        raise ConfigError(f"compile.cache_dir={decision.cache_root}: cannot create {d} ({e.strerror}); point "
+                          "compile.cache_dir elsewhere, or use compile.enable=false") from None
     values = {"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton"), **ENABLE_ENV_VARS}
     if decision.backend in NEFF_COMPILERS:  # TorchNeuron's NEFFs (and the older torch-xla stack's cache, which it ignores)
         values.update({NEFF_CACHE_ENV: str(d / "neff"), LEGACY_NEFF_CACHE_ENV: str(d / "neff-legacy")})

@@ -22,6 +22,35 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from qwen3_research.errors import ConfigError  # noqa: F401  (re-exported: config checks raise it)
 
 
+def read_by(*reader: str, unset: tuple = ()) -> dict:
+    """Field metadata: the key is read only by the option ``reader`` names, so a value other than its default (or
+    one of ``unset``) under another option is refused at start-up, naming the reader (``resolve.refuse_unread_keys``;
+    issue 40: data.files without data=files trained on the embedded corpus). ``reader``: ``("data.source", V)``,
+    read where that key is V; ``("backend", ATTR)``, read by the model backends whose ``BackendSpec.ATTR`` is true;
+    ``("balance", MODE, ...)``, read by a model that can balance with one of the MODEs (``registry.balance_modes``)."""
+    return {"read_by": reader, "unset": unset}
+
+
+def keys_read_by(cfg, prefix: str = "") -> list[tuple[str, Any, tuple]]:
+    """(dotted key, value, reader) of every field with ``read_by`` metadata whose value is set (not its default nor
+    an ``unset`` value), in the schema's order; a section with the metadata counts as one key."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        reader = f.metadata.get("read_by")
+        if reader is None:
+            if dataclasses.is_dataclass(value):
+                out += keys_read_by(value, key + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(value):  # a section: each of its keys that is set (data.hf.name=...)
+            out += [(f"{key}.{g.name}", getattr(value, g.name), reader) for g in dataclasses.fields(value)
+                    if getattr(value, g.name) != getattr(default, g.name)]
+        elif value != default and value not in f.metadata["unset"]:
+            out.append((key, value, reader))
+    return out
+
+
 @dataclass
 class MoEConfig:
     """Mixture-of-experts routing (qwen3_research.routing): load balancing and routing statistics."""
@@ -30,9 +59,12 @@ class MoEConfig:
     # (native_moe, torchtitan's default; aux_loss with checkpoint.export_hf=true, as HF has no expert bias:
     # resolve._balance_for_export) or none (a backend without an expert bias). none | aux_loss | bias.
     balance: str = "auto"
-    aux_loss_coef: Optional[float] = None  # balance=aux_loss: None = the checkpoint's router_aux_loss_coef, else 0.001
-    bias_coef: float = 1e-3  # balance=bias: torchtitan's load_balance_coeff (expert-bias step per optimizer step)
-    routing_stats: bool = True  # tokens per expert, load ratio, entropy, ... in every logged step
+    # balance=aux_loss: None = the checkpoint's router_aux_loss_coef, else 0.001
+    aux_loss_coef: Optional[float] = field(default=None, metadata=read_by("balance", "aux_loss"))
+    # balance=bias: torchtitan's load_balance_coeff (expert-bias step per optimizer step)
+    bias_coef: float = field(default=1e-3, metadata=read_by("balance", "bias"))
+    # tokens per expert, load ratio, entropy, ... in every logged step
+    routing_stats: bool = field(default=True, metadata=read_by("balance", "aux_loss", "bias"))
 
 
 @dataclass
@@ -40,10 +72,12 @@ class ModelConfig:
     backend: str = "native"  # native | native_moe | hf | another backend's name (qwen3_research.models.registry)
     # The module defining an out-of-tree backend's BACKEND spec; None: qwen3_research.models.<backend>.
     module: Optional[str] = None
-    flavor: str = "tiny"  # a named architecture of the backend (qwen3_research.models.flavors)
-    path: Optional[str] = None  # hf backend: local directory or Hub id
-    init_from: Optional[str] = None  # native backends: HF directory with safetensors
-    trust_remote_code: bool = False
+    # a named architecture of the backend (qwen3_research.models.flavors); from_path: model=hf's, model.path's own
+    flavor: str = field(default="tiny", metadata=read_by("backend", "flavors", unset=("from_path",)))
+    path: Optional[str] = field(default=None, metadata=read_by("backend", "takes_path"))  # hf: local dir or Hub id
+    # native backends: HF directory with safetensors
+    init_from: Optional[str] = field(default=None, metadata=read_by("backend", "takes_init_from"))
+    trust_remote_code: bool = field(default=False, metadata=read_by("backend", "takes_path"))
     attention: str = "sdpa"  # sdpa (CPU-safe, causal) | flex (CUDA)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -119,12 +153,13 @@ class DataConfig:
     global_batch_tokens: Optional[int] = None  # if set: batch_size = this / (seq_len × dp × grad_accum)
     val_fraction: float = 0.05
     max_documents: Optional[int] = None  # cap for quick experiments
-    files: Optional[str] = None  # source=files: glob of .txt / .jsonl files
-    text_field: str = "text"  # source=files, .jsonl: the field holding the text
+    files: Optional[str] = field(default=None, metadata=read_by("data.source", "files"))  # glob of .txt / .jsonl files
+    # source=files, .jsonl: the field holding the text
+    text_field: str = field(default="text", metadata=read_by("data.source", "files"))
     # Attention and RoPE positions restart at every document boundary inside a packed window; the end-of-text
     # token does not predict the next document's first token (its label is ignored).
     document_masking: bool = False
-    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig)
+    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig, metadata=read_by("data.source", "hf"))
 
 
 @dataclass
@@ -151,8 +186,10 @@ class CompileConfig:
     fullgraph: bool = False
     # One compile cache for every run and sweep point (inductor's FX graph / AOT autograd / autotune caches, Triton's,
     # TorchNeuron's NEFFs), in a subdirectory keyed by torch version, device and driver/compiler version, set in the
-    # environment before any worker starts. None: leave the environment (and torch's defaults) alone.
-    cache_dir: Optional[str] = "~/.cache/qwen3_research/compile"
+    # environment before any worker starts. auto: compile/ in the project's cache folder (QWEN3_RESEARCH_CACHE, else
+    # ~/.cache/qwen3_research); a directory that cannot be written is a config error at start-up. None: leave the
+    # environment (and torch's defaults) alone.
+    cache_dir: Optional[str] = "auto"
     cache_key_extra: str = ""  # appended to the key: a different value never reuses an entry (tests simulate a torch upgrade)
 
 

@@ -57,7 +57,9 @@ from omegaconf import DictConfig, OmegaConf
 from qwen3_research import compiling
 from qwen3_research import devices
 from qwen3_research import models, slurm
-from qwen3_research.config import CPU_RANKS_PER_CORE, RunConfig, resolve_batch_size, to_run_config, validate
+from qwen3_research.compose import CONF_DIR
+from qwen3_research.config import (CPU_RANKS_PER_CORE, RunConfig, keys_read_by, resolve_batch_size, to_run_config,
+                                   validate)
 from qwen3_research.errors import ConfigError, check_writable, log_call
 from qwen3_research.models import registry
 from qwen3_research.parallel import has_fsdp_units, validate_degrees
@@ -230,6 +232,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     if elsewhere and planned_spec.planning_table is not None:
         devices.planned_gpu(rc.device)  # a known device.gpu, or device.memory_gib + device.peak_tflops (ConfigError)
     models.check(rc.model)  # the model backend's own rules (its spec)
+    refuse_unread_keys(rc)
     facts = models.describe(rc.model)
 
     kind = planned if elsewhere else devices.device_kind(rc.device.type)
@@ -332,6 +335,43 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
     if run.rc.checkpoint.enable or run.rc.checkpoint.resume:
         check_writable(f"checkpoint.dir={run.checkpoint_root}", Path(run.checkpoint_root))
     return run
+
+
+def refuse_unread_keys(rc: RunConfig) -> None:
+    """A key set for an option the run did not choose is one ConfigError naming the option that reads it: the
+    schema's ``read_by`` metadata (``config.keys_read_by``) against the config and the backend registry, before any
+    worker starts. Such keys were accepted and ignored (issue 40): data.files without data=files trained on the
+    embedded corpus, model.path with model=native a random model, model.flavor with model=hf the path's model."""
+    model = registry.canonical(rc.model)
+    spec = registry.spec(model)
+    for key, value, (kind, *wanted) in keys_read_by(rc):
+        shown = f"{key}={str(value).lower() if isinstance(value, bool) else repr(value)}"
+        if kind == "backend":
+            if getattr(spec, wanted[0]):
+                continue
+            readers = [o for o, b in registry.options().items() if getattr(registry.get(b), wanted[0])]
+            raise ConfigError(f"{shown} is read only by model={'|'.join(readers)}; this run's model={spec.name} "
+                              f"ignores it: use model={readers[0]}, or drop {key}")
+        if kind == "balance":
+            modes = registry.balance_modes(model)
+            if set(wanted) & set(modes):
+                continue
+            flavors = [f for f in spec.flavors if set(wanted) & set(
+                registry.balance_modes(dataclasses.replace(model, flavor=f, init_from=None)))]
+            fix = f"a flavor that does (model.flavor={'|'.join(flavors)})" if flavors else "another model"
+            raise ConfigError(f"{shown} is read only by a mixture-of-experts model that balances with "
+                              f"{' or '.join(wanted)}; this run's model={spec.name} model.flavor={model.flavor} "
+                              f"(model.moe.balance: {'|'.join(modes)}) ignores it: use {fix}, or drop {key}")
+        current = rc
+        for part in kind.split("."):
+            current = getattr(current, part)
+        if current in wanted:
+            continue
+        group = kind.split(".")[0]
+        options = [f"{group}={v}" for v in wanted if Path(CONF_DIR, group, f"{v}.yaml").is_file()]
+        readers = "|".join(options) or f"{kind}={'|'.join(wanted)}"
+        raise ConfigError(f"{shown} is read only by {readers} ({kind}={'|'.join(wanted)}); this run's {kind}={current} "
+                          f"ignores it: add {options[0] if options else f'{kind}={wanted[0]}'}, or drop {key}")
 
 
 def kernel_support_here(rc: RunConfig, device_type: str, lnc: int | None) -> list[str]:

@@ -139,3 +139,42 @@ def test_gpu_suite_dry_run_composes_every_step():
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"group"')]
     assert {"main", "bare", "kernels", "loss", "attention", "profiler", "plan", "big"} == {r["group"] for r in rows}
     assert all(r["status"] == "dry-run: composed" for r in rows), [r for r in rows if r["status"] != "dry-run: composed"]
+
+
+@pytest.mark.parametrize("where", ["file", "read-only", "full", "default-under-QWEN3_RESEARCH_CACHE"])
+def test_a_compile_cache_that_cannot_be_written_is_one_config_error(where, tmp_path, monkeypatch):
+    """Issue 40 (item 1): a compiled run whose cache directory is a file, read-only, or has under 64 MiB free is
+    refused at start-up in one line naming the directory and the key (and QWEN3_RESEARCH_CACHE, which moves the
+    default), and nothing is written there. Was: a Hydra traceback at the launcher's mkdir, 236 lines of inductor
+    error at step 1 on a full disk; the default followed ~/.cache whatever QWEN3_RESEARCH_CACHE said (fails on the
+    old code: no ConfigError)."""
+    import shutil
+
+    from qwen3_research import compiling
+    from qwen3_research.config import ConfigError, RunConfig
+
+    monkeypatch.setenv("QWEN3_RESEARCH_CACHE", str(tmp_path / "project-cache"))
+    rc = RunConfig()
+    if where == "file":
+        (tmp_path / "f").write_text("x")
+        configured = str(tmp_path / "f" / "compile")
+    elif where == "read-only":
+        (tmp_path / "ro").mkdir()
+        monkeypatch.setattr(compiling.os, "access", lambda p, mode: Path(p) != tmp_path / "ro")
+        configured = str(tmp_path / "ro")
+    else:  # a file system with 1 MiB free (a full disk's figure, not a real one)
+        full = shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30 - 2**20, 2**20)
+        monkeypatch.setattr(compiling.shutil, "disk_usage", lambda p: full)
+        configured = str(tmp_path / "full") if where == "full" else compiling.DEFAULT_CACHE_DIR
+    rc = replace(rc, compile=replace(rc.compile, enable=True, cache_dir=configured))
+    with pytest.raises(ConfigError) as e:
+        compiling.decide(rc, "cpu", is_moe=False)
+    msg = str(e.value)
+    print(f"\n{where}: {msg}")
+    assert msg.startswith(f"compile.cache_dir={configured}: the compile cache ") and "\n" not in msg
+    assert {"file": "is a file, not a directory", "read-only": "not writable for this user", "full": "1.0 MiB free",
+            "default-under-QWEN3_RESEARCH_CACHE": "1.0 MiB free"}[where] in msg
+    if where.startswith("default"):  # the default follows QWEN3_RESEARCH_CACHE, and the line names it
+        assert f"the compile cache {tmp_path / 'project-cache' / 'compile'} cannot" in msg
+        assert "QWEN3_RESEARCH_CACHE" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == {"file": ["f"], "read-only": ["ro"]}.get(where, [])

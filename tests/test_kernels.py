@@ -76,13 +76,34 @@ def test_a_target_missing_the_kernels_modules_is_one_config_error(moe_model):
 
 
 def test_an_entry_for_modules_the_model_lacks_warns_with_entry_and_pattern(moe_model):
-    """moe_fast where there are no experts (kernels=fast on a dense model): nothing to replace, a warning."""
+    """moe_fast where there are no experts beside rope_fast, which matches (kernels=fast on a dense model): nothing
+    to replace for moe_fast, a warning; the option still does something."""
     attention = moe_model.get_submodule("layers.0.attention")  # a real part of the model: RoPE, no experts
     for target in (EXPERTS, "type:GroupedExperts"):  # a path; the shipped conf/kernels/moe_fast.yaml's class target
         with pytest.warns(KernelMatchWarning, match=rf"kernel entry 'moe_fast' \(target '{re.escape(target)}'\) "
                                                     r"matches no module"):
-            plan = resolve(attention, _cfg([("moe_fast", target)]), CPU, dtype="float32")
-        assert plan == {"moe_fast": []}
+            plan = resolve(attention, _cfg([("moe_fast", target), ("rope_fast", "type:CosSinRoPE")]), CPU, dtype="float32")
+        assert plan == {"moe_fast": [], "rope_fast": ["rope"]}
+
+
+def test_an_option_none_of_whose_entries_matches_is_one_config_error(moe_model):
+    """kernels=moe_fast on a dense model (issue 40): the option would change nothing, so the run is refused in one
+    line naming what it replaces and the MoE flavors (was: one warning, and the dense model trained)."""
+    attention = moe_model.get_submodule("layers.0.attention")
+    with pytest.raises(ConfigError) as e:
+        resolve(attention, _cfg([("moe_fast", "type:GroupedExperts")], option="moe_fast"), CPU, dtype="float32")
+    assert str(e.value) == (
+        "kernels=moe_fast matches no module of model=native model.flavor=tiny (it replaces GroupedExperts, which this "
+        "model does not have), so it would change nothing; a mixture-of-experts flavor has them: "
+        "model.flavor=tiny_moe|debug_moe|nki_debug|30B-A3B|235B-A22B; or drop kernels=moe_fast")
+
+
+def test_the_device_rule_comes_before_the_targets(moe_model):
+    """kernels=nki_moe on CPU on a model without experts (issue 40): the device error, not a no-match warning."""
+    attention = moe_model.get_submodule("layers.0.attention")
+    with pytest.raises(ConfigError, match=r"^kernels=nki_moe needs device neuron \(kernel nki_moe\); this run's "
+                       r"device is cpu"):
+        resolve(attention, _cfg([("nki_moe", "type:GroupedExperts")], seq_len=256, option="nki_moe"), CPU, dtype="float32")
 
 
 def test_pattern_only_claims_the_kernels_module_type(moe_model):

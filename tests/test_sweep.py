@@ -341,3 +341,88 @@ def test_the_sweep_plan_runs_in_a_forked_child_and_leaves_this_process_fork_clea
 
     with pytest.raises(ConfigError, match="sweep.plan: no"):
         in_a_forked_child(refused)
+
+
+# -- two writers of one sweep directory (issue 40, item 4) -----------------------------------------------------------
+
+_HOLD = ("import sys, time; from pathlib import Path; from qwen3_research.run.rundir import RunDirLock; "
+         "RunDirLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)")
+
+
+def _hold_lock(directory: Path):
+    """A live process holding ``directory``'s run-dir lock, as a running sweep (or run) holds it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(directory)], cwd=ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _earlier_attempt(point: Path) -> dict:
+    """A point directory as an earlier (failed) attempt leaves it: a checkpoint, metrics, a summary."""
+    (point / ".hydra").mkdir(parents=True)
+    (point / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (point / "checkpoints" / "step-00000001" / "meta.json").write_text('{"step": 1}')
+    (point / "metrics.jsonl").write_text('{"step": 1, "loss": 12.0}\n')
+    (point / "summary.json").write_text('{"status": "failed"}')
+    return _tree(point)
+
+
+def _tree(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+            and p.name != ".qwen3_research.lock"}
+
+
+def test_a_sweep_into_a_sweep_dir_a_live_sweep_holds_is_refused_and_moves_nothing(tmp_path):
+    """A second sweep into a sweep dir whose lock a live process holds (the first sweep): exit 2, one line naming
+    the holder, before any point starts; the first sweep's point keeps its files, no .previous_attempts. Was: the
+    second sweep moved the first's live lock and checkpoints into .previous_attempts and trained in its point dir
+    (fails on the old code: exit 0, the files moved)."""
+    sweep = tmp_path / "sweep"
+    point = sweep / "0_training.seed=1"
+    before = _earlier_attempt(point)
+    holder = _hold_lock(sweep)
+    try:
+        proc = run_cli(["-m", "training.seed=1,2", *QUICK, "training.steps=2", "sweep.plan=false",
+                        f"hydra.sweep.dir={sweep}"], timeout=600)
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    print(f"\nexit {proc.returncode}: {lines[-1] if lines else ''}")
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert lines[0].startswith(f"config error: hydra.sweep.dir={sweep} is in use by another sweep (pid {holder.pid} ")
+    assert not (sweep / ".previous_attempts").exists() and _tree(point) == before
+    assert sorted(p.name for p in sweep.iterdir()) == [".qwen3_research.lock", "0_training.seed=1"]
+
+
+def test_a_point_dir_a_live_run_holds_is_refused_and_a_dead_owners_attempt_is_moved(tmp_path):
+    """prepare_point on a point directory whose lock a live process holds: ConfigError naming the pid, nothing moved
+    (was: moved into .previous_attempts, lock included); once that process is gone, its attempt (and its stale lock)
+    is moved aside as before."""
+    from qwen3_research.compose import compose
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.launch.sweep import prepare_point
+
+    sweep = tmp_path / "sweep"
+    point = sweep / "0_training.seed=1"
+    before = _earlier_attempt(point)
+    cfg = compose(["sweep.plan=false"])
+    holder = _hold_lock(point)
+    try:
+        with pytest.raises(ConfigError) as e:
+            prepare_point(cfg, str(point), ["training.seed=1"], str(sweep))
+    finally:
+        holder.kill()
+        holder.wait()
+    print(f"\n{e.value}")
+    assert str(e.value).startswith(f"sweep point {point.name}: {point} is in use by pid {holder.pid} ")
+    assert not (sweep / ".previous_attempts").exists() and _tree(point) == before
+    prepare_point(cfg, str(point), ["training.seed=1"], str(sweep))  # the owner is gone: moved aside
+    moved = sweep / ".previous_attempts" / point.name / "1"
+    assert sorted(p.name for p in point.iterdir()) == [".hydra"]
+    assert {k: v for k, v in _tree(moved).items()} == {k: v for k, v in before.items() if not k.startswith(".hydra")}

@@ -227,7 +227,8 @@ VERIFY_CASES = {
     "nki_rope": ["kernels=nki_rope"],
     "nki_moe_debug": ["model=native_moe", "model.flavor=nki_debug", "kernels=nki_moe", "data.seq_len=256",
                       "training.mixed_precision=bf16"],
-    "nki_moe_on_a_dense_model": ["kernels=nki_moe"],  # nothing to replace: nothing verified is a failure
+    # nothing to replace, but the device rule comes first (issue 40): the device error, not "nothing verified"
+    "nki_moe_on_a_dense_model": ["kernels=nki_moe"],
     "nki_rope_device_neuron": ["kernels=nki_rope", "device=neuron", "data.seq_len=256"],
 }
 
@@ -242,7 +243,7 @@ def test_verify_kernels_nki_here_fails_with_its_reason(case):
     assert proc.returncode in (1, 2), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert last.startswith(("config error: ", "error: ")) and "Traceback" not in proc.stderr
     if case == "nki_moe_on_a_dense_model":
-        assert proc.returncode == 1 and "nothing verified for entry 'nki_moe'" in last
+        assert proc.returncode == 2 and "needs device neuron (kernel nki_moe)" in last
     elif case == "nki_rope_device_neuron":
         assert "device.type=neuron needs TorchNeuron" in last
     else:

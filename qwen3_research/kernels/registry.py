@@ -13,7 +13,9 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
 * every entry is matched against ``model.named_modules()``; a module a kernel cannot replace
   (wrong class) is never matched, so a broad pattern only picks the kernel's own module type;
 * two entries claiming one module -> ``ConfigError`` naming both entries and the module;
-* an entry that matches nothing -> a warning naming the entry and its pattern;
+* a kernel whose device is not this run's -> ``ConfigError`` first, before any target is matched;
+* an entry that matches nothing -> a warning naming the entry and its pattern, when another entry of the option
+  matches; an option none of whose entries matches -> ``ConfigError`` naming what it replaces (and the MoE flavors);
 * unmet requirements (device type, dtype, sequence-length multiple, LNC, the packages the kernel
   imports, and the kernel's own ``Requirements.check``, e.g. the NKI Library kernels' shape/dtype
   constraints, once the device fits) -> one one-line ``ConfigError`` listing each with what to change;
@@ -28,6 +30,7 @@ or ``type:ClassName``) and options. ``apply_overrides`` runs before sharding:
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib.util
 import logging
@@ -39,7 +42,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from qwen3_research import devices, titan
+from qwen3_research import devices, models, titan
 from qwen3_research.errors import ConfigError
 
 log = logging.getLogger("qwen3_research.kernels")
@@ -233,13 +236,8 @@ def kernel_support(entries, device_type: str, lnc: int | None = None, option: st
 def _static_problems(spec, where: str, device_type: str, lnc: int | None, planning: bool = False) -> list[str]:
     """What does not depend on the model: device type, environment variable, LNC, importable modules."""
     req = spec.requirements
-    out = []
-    if device_type not in req.devices:
-        fix = f"; {req.fix}" if req.fix else ""
-        out.append(
-            f"{where} needs device {' or '.join(req.devices)} (kernel {spec.name}); this run's device is "
-            f"{device_type}{fix}"
-        )
+    out = _device_problem(spec, where, device_type)
+    if out:
         return out
     var = req.env.get(device_type)
     if var and os.environ.get(var) != "1":
@@ -256,6 +254,16 @@ def _static_problems(spec, where: str, device_type: str, lnc: int | None, planni
         how = f": {req.install}" if req.install else ""
         out.append(f"{where}: kernel {spec.name} imports {', '.join(missing)}, not installed here{how}")
     return out
+
+
+def _device_problem(spec, where: str, device_type: str) -> list[str]:
+    """The kernel's device rule: the one line when ``device_type`` is not one it runs on, else nothing."""
+    req = spec.requirements
+    if device_type in req.devices:
+        return []
+    fix = f"; {req.fix}" if req.fix else ""
+    return [f"{where} needs device {' or '.join(req.devices)} (kernel {spec.name}); this run's device is "
+            f"{device_type}{fix}"]
 
 
 def _find_spec(util, name: str):
@@ -281,12 +289,21 @@ def resolve(model: nn.Module, cfg, device, *, dtype: str, gate: bool = True) -> 
     plan: dict[str, list[str]] = {}
     owner: dict[str, str] = {}
     problems: list[str] = []
+    # The device rule before any target is matched: a kernel that cannot run on this device is refused whether or
+    # not the model has its modules (kernels=nki_moe on a dense CPU model trained the dense model with one
+    # no-match warning, issue 40).
     for label, entry in entry_labels(kc.entries):
         spec = KERNELS.get(entry.name)
         if spec is None:
             raise ConfigError(
                 f"{_where(option, entry.name)}: unknown kernel '{entry.name}'; known kernels: {sorted(KERNELS)}"
             )
+        problems += _device_problem(spec, _where(option, entry.name), device.type)
+    if problems:
+        raise ConfigError("; ".join(dict.fromkeys(problems)))
+    unmatched: list[str] = []
+    for label, entry in entry_labels(kc.entries):
+        spec = KERNELS[entry.name]
         matched = []
         for fqn, m in modules:
             if not _matches(entry.target, fqn, m):
@@ -309,14 +326,17 @@ def resolve(model: nn.Module, cfg, device, *, dtype: str, gate: bool = True) -> 
                     f"'{ours[0]}'); fix the target: an fnmatch pattern over module names, or type:<class>"
                 )
             # A model without the kernel's module type (moe_fast on a dense model): nothing to replace
-            msg = (
+            unmatched.append(
                 f"kernel entry '{label}' (target '{entry.target}') matches no module of the built model "
                 f"(it replaces {'/'.join(spec.module_types)}); it has no effect"
             )
-            warnings.warn(msg, KernelMatchWarning, stacklevel=2)
         plan[label] = matched
         if matched:
             problems += _check_requirements(spec, entry, option, cfg, device, dict(modules), matched)
+    if kc.entries and not any(plan.values()):  # the whole option does nothing on this model: not what was asked
+        raise ConfigError(_matches_nothing(option, kc.entries, cfg))
+    for msg in unmatched:  # one entry without modules among matched ones (kernels=fast on a dense model)
+        warnings.warn(msg, KernelMatchWarning, stacklevel=2)
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))
     out = KernelPlan(plan)
@@ -342,6 +362,26 @@ def resolve(model: nn.Module, cfg, device, *, dtype: str, gate: bool = True) -> 
             out.speed[label] = f"{note}; not applied, keeps {'/'.join(spec.module_types)} (kernels.force=true applies it)"
             out.kept[label], out[label] = out[label], []
     return out
+
+
+def _matches_nothing(option, entries, cfg) -> str:
+    """The one line for a kernel option none of whose entries matches a module of the model: what it replaces and,
+    for a dense model whose backend has mixture-of-experts flavors, those flavors."""
+    what = sorted({t for e in entries for t in KERNELS[e.name].module_types})
+    name = f"kernels={option}" if option else f"kernel entries {[e.name for e in entries]}"
+    model = getattr(cfg, "model", None)
+    moe_flavors, this = [], "the built model"
+    if model is not None:
+        this = f"model={model.backend} model.flavor={model.flavor}"
+        try:
+            if not models.describe(model).get("is_moe"):
+                moe_flavors = [f for f in models.spec(model).flavors
+                               if models.describe(dataclasses.replace(model, flavor=f, init_from=None)).get("is_moe")]
+        except ConfigError:
+            pass  # a model the checks refuse is named as it is
+    fix = (f"; a mixture-of-experts flavor has them: model.flavor={'|'.join(moe_flavors)}" if moe_flavors else "")
+    return (f"{name} matches no module of {this} (it replaces {'/'.join(what)}, which this model does not have), so "
+            f"it would change nothing{fix}; or drop {name}")
 
 
 def _check_requirements(spec, entry, option, cfg, device, modules, matched) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.t0 = time.perf_counter()
+        self.lock = lock_sweep_dir(Path(config.hydra.sweep.dir))
         if config.get("sweep") is not None and config.sweep.plan:
             def plan() -> dict:
                 resolutions: dict = {}
@@ -58,6 +60,8 @@ class SweepReport(Callback):
             "points_wall_s": point_s,
         }, indent=1))
         print(summary_line, flush=True)  # the sweep's last stdout line
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
         if any(r.status not in ("ok", "skipped") for r in runs):
             print(f"sweep finished with failed points (exit status {EXIT_SOME_FAILED})", file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_FAILED)
@@ -65,6 +69,45 @@ class SweepReport(Callback):
             print(f"sweep finished; points predicted not to fit were skipped (exit status {EXIT_SOME_SKIPPED})",
                   file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_SKIPPED)
+
+
+def lock_sweep_dir(sweep_dir: Path):
+    """One sweep writes a sweep directory at a time: the run-dir lock (``rundir.RunDirLock``) on the sweep dir,
+    held until the sweep ends (released at exit, whatever ends it). A second sweep into a directory whose lock a
+    live process holds exits 2 in one line before it moves or starts anything (issue 40: it moved the first sweep's
+    live lock and checkpoints into .previous_attempts and trained in the same point directory); a lock left by a
+    dead sweep is taken over (``RunDirLock``'s note), so the same command resumes a killed sweep."""
+    # deferred: start-up (the run-dir module loads torch through checkpoint; a config error exits before it)
+    from qwen3_research.run import rundir
+
+    holder = rundir.lock_holder(sweep_dir)
+    if holder is None:
+        try:
+            lock = rundir.RunDirLock(sweep_dir).acquire()
+        except ConfigError:  # taken between the look and the lock: by a live process, as below
+            holder = rundir.lock_holder(sweep_dir) or {}
+    if holder is not None:
+        print(f"config error: hydra.sweep.dir={sweep_dir} is in use by another sweep (pid {holder.get('pid', '?')} on "
+              f"{holder.get('host', '?')}, {rundir.LOCK_NAME}); nothing was moved or started: wait for that sweep to "
+              "end (the same command then resumes this one), or choose another hydra.sweep.dir",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    owner = os.getpid()
+    atexit.register(lambda: lock.release() if os.getpid() == owner else None)  # not in a forked child's exit
+    return lock
+
+
+def refuse_a_live_point(run_path: Path) -> None:
+    """A point directory whose run-dir lock a live process holds (a run started there with hydra.run.dir) is that
+    process's: ConfigError, and nothing in it is moved (``prepare_point``, before its earlier attempt is moved)."""
+    # deferred: start-up (the run-dir module loads torch through checkpoint; a config error exits before it)
+    from qwen3_research.run import rundir
+
+    holder = rundir.lock_holder(run_path)
+    if holder is not None:
+        raise ConfigError(f"sweep point {run_path.name}: {run_path} is in use by pid {holder.get('pid', '?')} on "
+                          f"{holder.get('host', '?')} ({rundir.LOCK_NAME}); its files were left as they are and no "
+                          "further point started: wait for that run to end, or choose another hydra.sweep.dir")
 
 
 def in_a_forked_child(fn):
@@ -349,9 +392,11 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
     config is never written; the resolution its plan made of that config, ``point_resolution``, or None).
 
     Skips a point whose summary.json already says ok (``sweep.resume``), and a point planned
-    not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside.
+    not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside. A point directory a live
+    process holds (its run-dir lock) is refused: ConfigError, nothing moved.
     """
     run_path = Path(run_dir)
+    refuse_a_live_point(run_path)  # an earlier attempt is moved aside (or resumed) only when its owner is gone
     summary_path = run_path / "summary.json"
     if cfg.sweep.resume and summary_path.is_file():
         try:
