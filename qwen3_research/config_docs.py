@@ -67,7 +67,8 @@ def walk(root: type, prefix: str = "") -> list[Key]:
     return out
 
 
-def missing_docstrings(root: type = config.RunConfig, source: str | None = None, filename: str | None = None) -> list[str]:
+def missing_docstrings(root: type = config.RunConfig, source: str | None = None,
+                       filename: str | None = None) -> list[str]:
     """One line per schema field without a docstring: where it is, its key, and what to add."""
     module = sys.modules[root.__module__]
     source = inspect.getsource(module) if source is None else source

@@ -1,4 +1,4 @@
-"""The feature table of docs/FEATURES.md: features (rows) × torchtitan API (columns), written from the tests that show them.
+"""docs/FEATURES.md's table: features (rows) × torchtitan API (columns), written from the tests that show them.
 
 A test declares the row it shows with ``@pytest.mark.feature("<row>")``, or ``refused="<the one line>"`` when it
 checks that the API refuses the feature in one line. The column is where the test runs: every test file runs in the

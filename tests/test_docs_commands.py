@@ -2,9 +2,10 @@
 
 The commands are PARSED FROM THE DOCS, never copied here: every shell line of README's "Trainium hosts" section,
 every line of README and of the docs/ pages that asks for ``device=neuron`` (but a Slurm submission, which needs a
-cluster of trn2 nodes), every line of docs/TRAINIUM.md and of docs/KERNELS.md's "First commands on a trn2 host". Each project command runs, as written (its ``VAR=value`` prefix included), on a
-simulated trn2.48xlarge (tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the
-driver's sysfs file and the aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
+cluster of trn2 nodes), every line of docs/TRAINIUM.md and of docs/KERNELS.md's "First commands on a trn2 host".
+Each project command runs, as written (its ``VAR=value`` prefix included), on a simulated trn2.48xlarge
+(tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the driver's sysfs file and the
+aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
 ``QWEN3_VALIDATE_ONLY=1`` (qwen3_research/devices/__init__.py): a run, ``verify_kernels`` and the doctor's ``--run`` checks
 stop right before the first thing that needs the device, after the configuration, the degrees, the LNC and cores,
 the torchtitan and kernel checks (on a meta-device model); the doctor and ``qwen3_research.plan`` need no device
