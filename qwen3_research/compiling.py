@@ -7,7 +7,7 @@ Why per block: the blocks are identical, so dynamo traces one and reuses the gra
 and the hooks on it stay as they are (checkpoints, FSDP, routing hooks, kernel overrides), and a first step compiles
 one block's graph, not the whole model's.
 
-Measured (GUIDE §9, README "GPU"): one H200, torch 2.11, torchtitan 0.2.2, Qwen3-0.6B seq 2048 x 8 bf16: compile
+Measured (GUIDE §9, docs/GPU.md): one H200, torch 2.11, torchtitan 0.2.2, Qwen3-0.6B seq 2048 x 8 bf16: compile
 off 0.318 s/step (26 % MFU, peak 70.0 GiB), the whole model compiled 0.190 s (43 %, peak 56.8 GiB). CPU (GUIDE §2):
 first step 20-30 s, later steps 1.3-1.6x faster: a default CPU run (60 steps of ~1 s) and the test suite's short runs
 would lose more to the compile than they gain, so auto keeps it off there. Neuron: not measured.

@@ -55,31 +55,46 @@ def keys_read_by(cfg, prefix: str = "") -> list[tuple[str, Any, tuple]]:
 class MoEConfig:
     """Mixture-of-experts routing (qwen3_research.routing): load balancing and routing statistics."""
 
-    # auto: model.init_from / model.path a Qwen3-MoE checkpoint -> aux_loss with its router_aux_loss_coef; else bias
-    # (native_moe, torchtitan's default; aux_loss with checkpoint.export_hf=true, as HF has no expert bias:
-    # resolve._balance_for_export) or none (a backend without an expert bias). none | aux_loss | bias.
     balance: str = "auto"
-    # balance=aux_loss: None = the checkpoint's router_aux_loss_coef, else 0.001
+    """How the router's load is balanced: none | aux_loss | bias | auto. auto: model.init_from / model.path a
+    Qwen3-MoE checkpoint -> aux_loss with its router_aux_loss_coef; else bias (native, torchtitan's default;
+    aux_loss with checkpoint.export_hf=true, as HF has no expert bias) or none (a backend without an expert bias).
+    Resolved in resolve._balance_for_export and the backend spec; applied by routing.py and the model backends."""
     aux_loss_coef: Optional[float] = field(default=None, metadata=read_by("balance", "aux_loss"))
-    # balance=bias: torchtitan's load_balance_coeff (expert-bias step per optimizer step)
+    """balance=aux_loss: the auxiliary load-balancing loss weight; None = the checkpoint's router_aux_loss_coef,
+    else 0.001. Read by routing.py and models/hf/model.py."""
     bias_coef: float = field(default=1e-3, metadata=read_by("balance", "bias"))
-    # tokens per expert, load ratio, entropy, ... in every logged step
+    """balance=bias: the expert-bias step per optimizer step (torchtitan's load_balance_coeff), in (0, 1]. Read by
+    routing.py and models/native/model.py."""
     routing_stats: bool = field(default=True, metadata=read_by("balance", "aux_loss", "bias"))
+    """Log tokens per expert, load ratio, routing entropy, ... in every logged step (routing.py)."""
 
 
 @dataclass
 class ModelConfig:
-    backend: str = "native"  # native | native_moe | hf | another backend's name (qwen3_research.models.registry)
-    # The module defining an out-of-tree backend's BACKEND spec; None: qwen3_research.models.<backend>.
+    """The model: which backend builds it (qwen3_research.models.registry) and which architecture."""
+
+    backend: str = "native"
+    """native | native_moe | hf | another backend's name: the BackendSpec that describes and builds the model
+    (models/registry.py finds qwen3_research.models.<backend> or model.module)."""
     module: Optional[str] = None
-    # a named architecture of the backend (qwen3_research.models.flavors); from_path: model=hf's, model.path's own
+    """The module defining an out-of-tree backend's BACKEND spec; None: qwen3_research.models.<backend>
+    (models/registry.py)."""
     flavor: str = field(default="tiny", metadata=read_by("backend", "flavors", unset=("from_path",)))
-    path: Optional[str] = field(default=None, metadata=read_by("backend", "takes_path"))  # hf: local dir or Hub id
-    # native backends: HF directory with safetensors
+    """A named architecture of the backend (models/flavors.py; native: tiny, debug, 0.6B ... 32B, tiny_moe,
+    debug_moe, nki_debug, 30B-A3B, 235B-A22B; from_hf: model.init_from's config.json)."""
+    path: Optional[str] = field(default=None, metadata=read_by("backend", "takes_path"))
+    """hf backend: a local directory or Hub id that transformers loads (models/hf/model.py)."""
     init_from: Optional[str] = field(default=None, metadata=read_by("backend", "takes_init_from"))
+    """native backends: an HF directory with safetensors whose config.json is the architecture and whose weights
+    are loaded sharded at start-up (models/native/init_from.py, models/native/hf_load.py)."""
     trust_remote_code: bool = field(default=False, metadata=read_by("backend", "takes_path"))
-    attention: str = "sdpa"  # sdpa (CPU-safe, causal) | flex (CUDA)
+    """hf backend: passed to transformers' from_pretrained to allow a checkpoint's own code (models/hf/model.py)."""
+    attention: str = "sdpa"
+    """Attention kernel: sdpa (CPU-safe, causal) | flex (FlexAttention, CUDA). Read by the model backends and the
+    torchtitan adapter (titan/)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts routing settings (model.moe.*), used by MoE flavors only."""
 
 
 # CPU ranks per core a run may start without parallelism.oversubscribe=true. Each rank is a whole process (its own
@@ -91,196 +106,330 @@ CPU_RANKS_PER_CORE = 8
 
 @dataclass
 class ParallelismConfig:
-    nproc_per_node: int = -1  # -1 (auto): every device of the host (logical NeuronCores at the LNC, GPUs; 1 on cpu)
+    """Processes and the device mesh: degrees checked in parallel.validate_degrees, applied by titan/."""
+
+    nproc_per_node: int = -1
+    """Worker processes per host; -1 (auto): every device of the host (logical NeuronCores at the LNC, GPUs; 1 on
+    cpu). Resolved in resolve.py; launch/elastic.py starts them."""
     nnodes: int = 1
+    """Hosts in the job (multi-node: launch/elastic.py's rendezvous, launch/slurm.py)."""
     dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
+    """Data-parallel replicas (HSDP's replicate dimension; parallel.py, titan/)."""
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1: whatever the other degrees leave of the world size (parallel.py, titan/)."""
     tp: int = 1
+    """Tensor-parallel degree (parallel.py, titan/)."""
     sequence_parallel: bool = False
+    """With tp > 1: shard norms and activations along the sequence too (parallel.py, titan/; torchtitan 0.2.x
+    always does)."""
     ep: int = 1
-    activation_checkpoint: str = "none"  # none | selective | full
-    rdzv_endpoint: str = "127.0.0.1:0"  # 0 = pick a free port (single node)
-    rdzv_timeout_s: int = 300  # multi-node: a node that has not met the others by then fails (one line)
-    oversubscribe: bool = False  # cpu: allow more than CPU_RANKS_PER_CORE ranks per core of this host
+    """Expert-parallel degree for MoE flavors (parallel.py, titan/)."""
+    activation_checkpoint: str = "none"
+    """none | selective | full: recompute activations in backward (titan/ applies torchtitan's AC; the planner
+    models it)."""
+    rdzv_endpoint: str = "127.0.0.1:0"
+    """host:port of the workers' c10d rendezvous; port 0 = pick a free port (single node). launch/elastic.py."""
+    rdzv_timeout_s: int = 300
+    """Multi-node: seconds a node has to meet the others before it fails with one line (launch/elastic.py)."""
+    oversubscribe: bool = False
+    """cpu: allow more than CPU_RANKS_PER_CORE (8) ranks per core of this host (resolve.py)."""
 
 
 @dataclass
 class KernelEntry:
-    name: str = MISSING  # a kernel in qwen3_research.kernels.KERNELS
-    target: str = MISSING  # fnmatch pattern over module FQNs, or "type:ClassName"
+    """One kernel override (qwen3_research.kernels.registry)."""
+
+    name: str = MISSING
+    """A kernel in qwen3_research.kernels.KERNELS."""
+    target: str = MISSING
+    """Which modules it replaces: an fnmatch pattern over module FQNs, or "type:ClassName" (kernels/registry.py)."""
     options: Any = field(default_factory=dict)
+    """The kernel's own options, passed to it as keyword arguments (kernels/registry.py)."""
 
 
 @dataclass
 class KernelsConfig:
-    option: Optional[str] = None  # the conf/kernels option's name, for messages (kernels=<option>)
+    """Kernel overrides applied to the built model (qwen3_research.kernels; docs/KERNELS.md)."""
+
+    option: Optional[str] = None
+    """The conf/kernels option's name, for messages (kernels=<option>); set by the option's YAML."""
     entries: List[KernelEntry] = field(default_factory=list)
-    verify: bool = False  # compare every active kernel with its float32 reference at start-up, in the run's dtype
-    # apply a speed kernel (moe_fast, rope_fast, triton_*) even where it was not measured faster on this device kind
-    # and dtype (KernelSpec.measured): for experiments; by default such a kernel keeps the module it would replace
+    """The overrides: name, module pattern and options of each (kernels/registry.py plans and applies them)."""
+    verify: bool = False
+    """Compare every active kernel with its float32 reference at start-up, in the run's dtype (kernels/verify.py)."""
     force: bool = False
+    """Apply a speed kernel (moe_fast, rope_fast, triton_*) even where it was not measured faster on this device
+    kind and dtype (KernelSpec.measured): for experiments; by default such a kernel keeps the module it would
+    replace (kernels/registry.py)."""
 
 
 @dataclass
 class OptimizerConfig:
+    """The optimizer and learning-rate schedule (qwen3_research.optim, built in step.py)."""
+
     name: str = "adamw"
+    """Optimizer; only adamw (optim.py)."""
     lr: float = 3e-3
+    """Peak learning rate, in (0, 1] (optim.py)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's two moment decay rates, each in [0, 1) (optim.py)."""
     eps: float = 1e-8
+    """AdamW's epsilon (optim.py)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (optim.py)."""
     warmup_steps: int = 10
-    decay: str = "cosine"  # cosine | linear | constant
+    """Linear warm-up steps from 0 to optimizer.lr (optim.py's scheduler)."""
+    decay: str = "cosine"
+    """cosine | linear | constant: the schedule after warm-up (optim.py)."""
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    """The final learning rate as a fraction of optimizer.lr, in [0, 1] (optim.py)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0 disables clipping (step.py)."""
 
 
 @dataclass
 class HFDatasetConfig:
-    name: Optional[str] = None  # Hub id or local path understood by datasets.load_dataset
+    """data=hf: a datasets dataset (qwen3_research.data, token_stream.py)."""
+
+    name: Optional[str] = None
+    """Hub id or local path understood by datasets.load_dataset; required with data=hf."""
     config_name: Optional[str] = None
+    """The dataset's configuration name (datasets.load_dataset's second argument)."""
     split: str = "train"
+    """The split to read."""
     text_field: str = "text"
+    """The record field holding the text."""
     streaming: bool = False
+    """Stream the dataset instead of downloading it whole (data.py)."""
     max_documents: Optional[int] = None
+    """Read at most this many documents; None: every one."""
 
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # embedded | hf | files
-    tokenizer: str = "qwen3"  # "qwen3" (the packaged official tokenizer) or a path / HF dir
+    """The corpus, tokenizer and batches (qwen3_research.data, token_stream.py)."""
+
+    source: str = "embedded"
+    """embedded (Shakespeare, shipped as a package) | hf | files (data.py)."""
+    tokenizer: str = "qwen3"
+    """"qwen3" (the packaged official tokenizer, sha256 checked) or a path / HF directory with tokenizer.json
+    (data.py)."""
     seq_len: int = 128
-    batch_size: int = 4  # sequences per data-parallel rank per micro-batch
-    global_batch_tokens: Optional[int] = None  # if set: batch_size = this / (seq_len × dp × grad_accum)
+    """Tokens per sample; documents are packed into seq_len + 1 windows (data.py)."""
+    batch_size: int = 4
+    """Sequences per data-parallel rank per micro-batch (data.py; derived instead with data.global_batch_tokens)."""
+    global_batch_tokens: Optional[int] = None
+    """If set: tokens per optimizer step whatever the layout; batch_size = this / (seq_len x dp x grad_accum)
+    (config.resolve_batch_size, read in trainer.py and fit.py)."""
     val_fraction: float = 0.05
-    max_documents: Optional[int] = None  # cap for quick experiments
-    files: Optional[str] = field(default=None, metadata=read_by("data.source", "files"))  # glob of .txt / .jsonl files
-    # source=files, .jsonl: the field holding the text
+    """Fraction of documents held out for evaluation, chosen by a hash of their name (data.py)."""
+    max_documents: Optional[int] = None
+    """Read at most this many documents, for quick experiments; None: every one (data.py)."""
+    files: Optional[str] = field(default=None, metadata=read_by("data.source", "files"))
+    """source=files: a glob of regular .txt / .jsonl files (config.data_files, data.py)."""
     text_field: str = field(default="text", metadata=read_by("data.source", "files"))
-    # Attention and RoPE positions restart at every document boundary inside a packed window; the end-of-text
-    # token does not predict the next document's first token (its label is ignored).
+    """source=files, .jsonl: the field holding the text, a string in every record (data.py)."""
     document_masking: bool = False
+    """Attention and RoPE positions restart at every document boundary inside a packed window; the end-of-text
+    token does not predict the next document's first token (its label is ignored). data.py builds the document
+    ids; the model backends and titan/ mask attention."""
     hf: HFDatasetConfig = field(default_factory=HFDatasetConfig, metadata=read_by("data.source", "hf"))
+    """data=hf: the dataset to read (data.hf.*)."""
 
 
 @dataclass
 class DeviceConfig:
-    # auto | cpu | cuda | neuron, or a kind from a module QWEN3_RESEARCH_DEVICE_MODULES names (devices/__init__.py)
+    """The device kind and its planning facts (qwen3_research.devices; resolve.check_device_settings)."""
+
     type: str = "auto"
-    lnc: Optional[int] = None  # neuron: logical NeuronCore config 1|2, exported to every worker; None = NEURON_LOGICAL_NC_CONFIG or 2
-    memory_gib: Optional[float] = None  # capacity per rank for planning (qwen3_research.plan); None = detected
-    # Planning a GPU this host does not have (device=cuda on a CPU-only host): a name from torchtitan's peak table
-    # (H200, H100 SXM, H100 PCIe, H100 NVL, A100, L40S, L4: qwen3_research.compiling.PLANNED_GPUS), or
-    # device.memory_gib + device.peak_tflops (dense bf16 TFLOP/s per GPU) for another one
+    """auto | cpu | cuda | neuron, or a kind from a module that QWEN3_RESEARCH_DEVICE_MODULES names: the devices/
+    spec a run uses; auto picks the best present (devices/__init__.py)."""
+    lnc: Optional[int] = None
+    """neuron: logical NeuronCore config 1|2, exported to every worker before the runtime starts; None =
+    NEURON_LOGICAL_NC_CONFIG or 2 (devices/lnc.py)."""
+    memory_gib: Optional[float] = None
+    """Capacity per rank in GiB for planning (qwen3_research.plan, planner.py); None = detected."""
     gpu: Optional[str] = None
+    """Planning a GPU this host does not have (device=cuda on a CPU-only host): a name from torchtitan's peak
+    table (H200, H100 SXM, H100 PCIe, H100 NVL, A100, L40S, L4: compiling.PLANNED_GPUS); devices/cuda.py,
+    planner.py."""
     peak_tflops: Optional[float] = None
+    """Planning another GPU: its dense bf16 TFLOP/s, with device.memory_gib (devices/cuda.py)."""
 
 
 @dataclass
 class CompileConfig:
-    # auto: on where it was measured faster (cuda, dense model, bf16, no kernel entries: the H200 figures in
-    # README), off elsewhere (cpu: a 20-30 s first step, neuron: not measured); true/false force it. Resolved once
-    # at start-up (qwen3_research.compiling.decide), with its reason. Each transformer block and the loss are
-    # compiled, not the whole model (as torchtitan's apply_compile).
+    """torch.compile of each transformer block and the loss (qwen3_research.compiling; docs/GPU.md "Compile")."""
+
     enable: Any = "auto"
-    backend: Optional[str] = None  # None: inductor on cpu/cuda, "neuron" on neuron
+    """auto | true | false. auto: on where it was measured faster (cuda, dense model, bf16, no kernel entries: the
+    H200 figures in docs/GPU.md), off elsewhere (cpu: a 20-30 s first step, neuron: not measured). Resolved once at
+    start-up (compiling.decide), with its reason; applied per block as torchtitan's apply_compile (titan/)."""
+    backend: Optional[str] = None
+    """torch.compile backend; None: inductor on cpu/cuda, "neuron" on neuron (compiling.py)."""
     fullgraph: bool = False
-    # One compile cache for every run and sweep point (inductor's FX graph / AOT autograd / autotune caches, Triton's,
-    # TorchNeuron's NEFFs), in a subdirectory keyed by torch version, device and driver/compiler version, set in the
-    # environment before any worker starts. auto: compile/ in the project's cache folder (QWEN3_RESEARCH_CACHE, else
-    # ~/.cache/qwen3_research); a directory that cannot be written is a config error at start-up. None: leave the
-    # environment (and torch's defaults) alone.
+    """torch.compile's fullgraph: fail on a graph break instead of falling back (compiling.py)."""
     cache_dir: Optional[str] = "auto"
-    cache_key_extra: str = ""  # appended to the key: a different value never reuses an entry (tests simulate a torch upgrade)
+    """One compile cache for every run and sweep point (inductor's FX graph / AOT autograd / autotune caches,
+    Triton's, TorchNeuron's NEFFs), in a subdirectory keyed by torch version, device and driver/compiler version,
+    set in the environment before any worker starts. auto: compile/ in the project's cache folder
+    (QWEN3_RESEARCH_CACHE, else ~/.cache/qwen3_research); a directory that cannot be written is a config error at
+    start-up. None: leave the environment (and torch's defaults) alone (compiling.py)."""
+    cache_key_extra: str = ""
+    """Appended to the cache key: a different value never reuses an entry (tests simulate a torch upgrade;
+    compiling.py)."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N steps; 0 = only at the end when enabled
+    """Distributed checkpoints, resume and Hugging Face export (qwen3_research.run.checkpoint, run/export_hf.py)."""
+
+    every: int = 0
+    """Save every N steps; 0 = only at the end when enabled (run/checkpoint.py)."""
     enable: bool = False
-    dir: str = "checkpoints"  # relative to the run dir
-    resume: Optional[str] = None  # None | auto | <path to a step dir>
+    """Save checkpoints (run/checkpoint.py)."""
+    dir: str = "checkpoints"
+    """Where checkpoints go, relative to the run dir; one outside it records its run in owner.json
+    (run/checkpoint.py, run/rundir.py)."""
+    resume: Optional[str] = None
+    """None | auto | <path to a step dir>: continue a run from its latest (auto) or a given checkpoint
+    (run/checkpoint.py, run/rundir.py)."""
     keep: int = 2
+    """Checkpoints kept; older step dirs are removed (run/checkpoint.py)."""
     export_hf: bool = False
-    overwrite: bool = False  # start over in a run dir that holds a run: its files are removed first
-    allow_data_change: bool = False  # resume under another data layout (seq_len, batch, source, tokenizer)
+    """Export Hugging Face safetensors to <run dir>/hf at the end, verified (run/export_hf.py)."""
+    overwrite: bool = False
+    """Start over in a run dir that holds a run: its files are removed first (run/rundir.py)."""
+    allow_data_change: bool = False
+    """Resume under another data layout (seq_len, batch, source, tokenizer) (run/checkpoint.py)."""
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    """The run's Weights & Biases run (qwen3_research.run.sinks; docs/WANDB.md)."""
+
+    mode: str = "offline"
+    """offline | online | disabled; WANDB_MODE in the environment wins (run/sinks.py)."""
     project: str = "qwen3_research"
+    """W&B project, 1-128 characters without / \\ # ? % :; WANDB_PROJECT wins (run/sinks.py)."""
     entity: Optional[str] = None
-    group: Optional[str] = None  # None: the sweep dir name in multirun, else none
-    name: Optional[str] = None  # None: derived from the overrides
+    """W&B entity (user or team); WANDB_ENTITY wins (run/sinks.py)."""
+    group: Optional[str] = None
+    """W&B group; None: the sweep dir's name in a multirun, else none (launch/elastic.py, launch/sweep.py)."""
+    name: Optional[str] = None
+    """W&B run name; None: derived from the overrides (run/sinks.py)."""
     tags: List[str] = field(default_factory=list)
-    init_timeout: float = 30.0  # seconds W&B may take to start online before the run falls back to offline
+    """W&B tags (run/sinks.py)."""
+    init_timeout: float = 30.0
+    """Seconds W&B may take to start online before the run falls back to offline (run/sinks.py)."""
 
 
 @dataclass
 class LoggingConfig:
+    """What a run prints and logs (qwen3_research.run.sinks)."""
+
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress_bar: bool = True  # only drawn when stdout is a terminal
+    """Weights & Biases (logging.wandb.*)."""
+    progress_bar: bool = True
+    """Draw a progress bar; only drawn when stdout is a terminal (run/sinks.py)."""
     print_config: bool = True
+    """Print the composed config at start-up (run/sinks.py)."""
 
 
 @dataclass
 class TrainingConfig:
+    """The training loop (qwen3_research.trainer, step.py)."""
+
     steps: int = 60
+    """Optimizer steps (trainer.py; the schedule in optim.py)."""
     seed: int = 0
+    """Seeds weights and data order, in [0, 2**63 - 1]: same seed, same losses (step.py, data.py)."""
     log_every: int = 1
-    eval_every: int = 20  # 0 disables evaluation
+    """Log every N steps; step 1 and the last are always logged (trainer.py)."""
+    eval_every: int = 20
+    """Evaluate on the held-out documents every N steps; 0 disables evaluation (trainer.py)."""
     eval_batches: int = 2
+    """Batches per evaluation (step.py)."""
     grad_accum: int = 1
-    # none | bf16: sharded layouts as torchtitan and AWS's recipes (FSDP2 gathers bf16 copies of the float32
-    # parameters for forward/backward, reduces gradients in float32, float32 AdamW state: parallel.py), one process
-    # autocast over float32 parameters | auto: bf16 on neuron (AWS's Trainium recipes), none elsewhere; resolved once
-    # at start-up (resolve.auto_settings)
+    """Micro-batches per optimizer step (step.py, data.py)."""
     mixed_precision: str = "auto"
-    nan_policy: str = "stop"  # stop | skip
-    # full | chunked (lm_head + cross-entropy a chunk of tokens at a time: qwen3_research.loss) | auto: chunked on cpu
-    # (measured: faster and smaller, the same losses; benchmarks/RESULTS.md), full on cuda and neuron (not measured
-    # there); resolved once at start-up (resolve.auto_settings)
+    """none | bf16 | auto. bf16: sharded layouts as torchtitan and AWS's recipes (FSDP2 gathers bf16 copies of
+    the float32 parameters for forward/backward, reduces gradients in float32, float32 AdamW state: parallel.py),
+    one process autocast over float32 parameters. auto: bf16 on neuron, none elsewhere; resolved once at start-up
+    (resolve.auto_settings)."""
+    nan_policy: str = "stop"
+    """stop | skip: on a non-finite loss or gradient, fail the run or skip the step (step.py)."""
     loss: str = "auto"
-    loss_chunk_tokens: int = 1024  # training.loss=chunked: tokens per chunk (logits alive: this × vocab floats)
-    track_memory: bool = False  # record the peak live tensor bytes per rank (torch's MemTracker) in summary.json
+    """full | chunked | auto. chunked: lm_head + cross-entropy a chunk of tokens at a time (loss.py). auto: chunked
+    on cpu (measured faster and smaller, the same losses: benchmarks/RESULTS.md), full on cuda and neuron (not
+    measured there); resolved once at start-up (resolve.auto_settings)."""
+    loss_chunk_tokens: int = 1024
+    """training.loss=chunked: tokens per chunk; logits alive at once: this x vocab floats (loss.py)."""
+    track_memory: bool = False
+    """Record the peak live tensor bytes per rank of the second step (torch's MemTracker) in summary.json
+    (memory.py, trainer.py)."""
 
 
 @dataclass
 class ProfilingConfig:
-    # [a, b]: a torch profiler trace (Chrome/Perfetto JSON) of training steps a..b (1-based, inclusive) on every rank,
-    # <run dir>/profiling/trace_rank<r>.json; on neuron the Neuron runtime's own capture instead (qwen3_research.profiling)
+    """Profiler traces and memory snapshots (qwen3_research.profiling; docs/PROFILING.md)."""
+
     steps: List[int] = field(default_factory=list)
-    # a memory snapshot per rank over the profiled steps (all steps when profiling.steps is empty), and one on an
-    # out-of-memory error: cuda torch.cuda.memory._dump_snapshot (.pickle), cpu the profiler's memory timeline (.json)
+    """[a, b]: a torch profiler trace (Chrome/Perfetto JSON) of training steps a..b (1-based, inclusive) on every
+    rank, <run dir>/profiling/trace_rank<r>.json; on neuron the Neuron runtime's own capture instead
+    (profiling.py, devices/neuron.py)."""
     memory_snapshot: bool = False
-    # neuron only: NEURON_RT_INSPECT_DEVICE_PROFILE (model | session) for device-level traces beside the system profile
+    """A memory snapshot per rank over the profiled steps (all steps when profiling.steps is empty), and one on an
+    out-of-memory error: cuda the caching allocator's history (.pickle), cpu the profiler's memory timeline (.json)
+    (profiling.py, the devices/ spec)."""
     neuron_device_profile: Optional[str] = None
+    """neuron only: model | session, sets NEURON_RT_INSPECT_DEVICE_PROFILE for device-level traces beside the
+    system profile (profiling.py, devices/neuron.py)."""
 
 
 @dataclass
 class SweepConfig:
-    # multirun: plan every point (qwen3_research.plan) before the first one starts; fit: a point predicted not to fit
-    # runs as its cheapest fitting variant instead (qwen3_research.fit; the swept keys stay as swept), recorded in
-    # plan.json, the point's summary.json and W&B config (memory_plan.adjusted) and the report's "adjusted" column
-    plan: Any = True  # true | false | fit
-    skip_infeasible: bool = True  # do not start points predicted not to fit device memory (status "skipped: ...")
-    resume: bool = True  # a point whose summary.json in the same sweep dir says ok is not run again
+    """Multirun sweeps (qwen3_research.launch.sweep; docs/SWEEPS.md)."""
+
+    plan: Any = True
+    """true | false | fit. true: plan every point (planner.py) before the first one starts; fit: a point predicted
+    not to fit runs as its cheapest fitting variant instead (fit.py; the swept keys stay as swept), recorded in
+    plan.json, the point's summary.json and W&B config (memory_plan.adjusted) and the report's "adjusted" column
+    (launch/sweep.py)."""
+    skip_infeasible: bool = True
+    """Do not start points predicted not to fit device memory (status "skipped: ..."; launch/sweep.py)."""
+    resume: bool = True
+    """A point whose summary.json in the same sweep dir says ok is not run again (launch/sweep.py)."""
 
 
 @dataclass
 class RunConfig:
+    """A whole run: one section per config group or key family."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model (group model=)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """Processes and layout (group parallelism=)."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Kernel overrides (group kernels=)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and schedule (group optimizer=)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and batches (group data=)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    """Device kind (group device=)."""
     compile: CompileConfig = field(default_factory=CompileConfig)
+    """torch.compile (compile.*)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints, resume, export (checkpoint.*)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console and W&B (logging.*)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The training loop (training.*)."""
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """Profiler traces and memory snapshots (profiling.*)."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    """Multirun planning and resume (sweep.*)."""
 
 
 GROUP_SCHEMAS = {

@@ -1,15 +1,15 @@
-"""README's feature table: features (rows) × torchtitan API (columns), written from the tests that show them.
+"""docs/FEATURES.md's table: features (rows) × torchtitan API (columns), written from the tests that show them.
 
 A test declares the row it shows with ``@pytest.mark.feature("<row>")``, or ``refused="<the one line>"`` when it
 checks that the API refuses the feature in one line. The column is where the test runs: every test file runs in the
 main environment (torchtitan 0.3.x); tests/test_tt022.py also runs in the tt022 one (upstream torchtitan 0.2.2, the
 base of AWS's torchtitan-neuron 0.2.2+neuron.1), where its tests marked ``@only_on_legacy(...)`` run only (they
 are skipped on 0.3.x, whose main-suite tests cover them). The markers are read from the test files' source (``ast``, no import), so
-either environment writes the whole table, and removing or unmarking a test removes its ✔ (the README check in
-tests/test_tt022.py then fails until README is regenerated): a cell says what a test shows, never what was meant.
+either environment writes the whole table, and removing or unmarking a test removes its ✔ (the page check in
+tests/test_tt022.py then fails until the page is regenerated): a cell says what a test shows, never what was meant.
 
     python -m tests.feature_table            # print the table
-    python -m tests.feature_table --write    # replace README's table with it
+    python -m tests.feature_table --write    # replace docs/FEATURES.md's table with it
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "FEATURES.md"  # README links to it (issue 39: README keeps the first five minutes)
 BEGIN, END = "<!-- feature-table:begin (python -m tests.feature_table --write) -->", "<!-- feature-table:end -->"
 
 APIS = ("0.3.x", "0.2.x")
@@ -92,16 +92,16 @@ def table(cells: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def readme_table(text: str | None = None) -> str:
-    """The table between README's markers."""
-    text = README.read_text() if text is None else text
+def page_table(text: str | None = None) -> str:
+    """The table between the page's markers."""
+    text = PAGE.read_text() if text is None else text
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
 def write() -> None:
-    text = README.read_text()
+    text = PAGE.read_text()
     head, rest = text.split(BEGIN, 1)
-    README.write_text(f"{head}{BEGIN}\n{table()}\n{END}{rest.split(END, 1)[1]}")
+    PAGE.write_text(f"{head}{BEGIN}\n{table()}\n{END}{rest.split(END, 1)[1]}")
 
 
 if __name__ == "__main__":

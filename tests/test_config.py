@@ -139,6 +139,7 @@ def test_help_lists_groups():
     for group in GROUPS:
         assert f"{group}:" in proc.stdout or f"{group}/" in proc.stdout, group
     assert "native_moe" in proc.stdout and "embedded" in proc.stdout
+    assert "Every key, its default and the module that reads it: docs/CONFIG.md" in proc.stdout
     # The per-group schemas are internal: they are not a group a user picks from.
     groups = proc.stdout.split("== Config ==")[0]
     assert "schema" not in groups, groups

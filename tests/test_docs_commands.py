@@ -1,10 +1,11 @@
 """Every documented Trainium command passes the project's own start-up validation (issue 22, point 8).
 
 The commands are PARSED FROM THE DOCS, never copied here: every shell line of README's "Trainium hosts" section,
-every README line that asks for ``device=neuron``, every line of docs/TRAINIUM.md and of docs/KERNELS.md's "First
-commands on a trn2 host". Each project command runs, as written (its ``VAR=value`` prefix included), on a
-simulated trn2.48xlarge (tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the
-driver's sysfs file and the aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
+every line of README and of the docs/ pages that asks for ``device=neuron`` (but a Slurm submission, which needs a
+cluster of trn2 nodes), every line of docs/TRAINIUM.md and of docs/KERNELS.md's "First commands on a trn2 host".
+Each project command runs, as written (its ``VAR=value`` prefix included), on a simulated trn2.48xlarge
+(tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the driver's sysfs file and the
+aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
 ``QWEN3_VALIDATE_ONLY=1`` (tests/hooks/qwen3_test_hooks.py, on PYTHONPATH): a run, ``verify_kernels`` and the doctor's ``--run`` checks
 stop right before the first thing that needs the device, after the configuration, the degrees, the LNC and cores,
 the torchtitan and kernel checks (on a meta-device model); the doctor and ``qwen3_research.plan`` need no device
@@ -88,19 +89,21 @@ def documented_commands() -> list[DocCommand]:
     cmds = []
     for block in _blocks(_section(readme, "## Trainium hosts")):
         cmds += _commands(block, "README.md 'Trainium hosts'")
-    seen = {c.line for c in cmds}
-    for block in _blocks(readme):
-        for c in _commands(block, "README.md (device=neuron)"):
-            if "device=neuron" in c.argv and c.line not in seen:
-                cmds.append(c)
-                seen.add(c.line)
     for block in _blocks((ROOT / "docs" / "TRAINIUM.md").read_text()):
         cmds += _commands(block, "docs/TRAINIUM.md")
     kernels = _section((ROOT / "docs" / "KERNELS.md").read_text(), "### First commands on a trn2 host")
     for block in _blocks(kernels):
         cmds += _commands(block, "docs/KERNELS.md 'First commands on a trn2 host'")
+    seen = {c.line for c in cmds}
+    # README keeps the first five minutes; the Trainium lines it had moved to docs/ pages (issue 39), read there.
+    pages = [("README.md", readme)] + [(f"docs/{p.name}", p.read_text()) for p in sorted((ROOT / "docs").glob("*.md"))]
+    for name, text in pages:
+        for block in (b for b in _blocks(text) if "device=neuron" in b):  # other pages' blocks may not be shell
+            for c in _commands(block, f"{name} (device=neuron)"):
+                if "device=neuron" in c.argv and "hydra/launcher=slurm" not in c.argv and c.line not in seen:
+                    cmds.append(c)
+                    seen.add(c.line)
     return cmds
-
 
 COMMANDS = documented_commands()
 # Each distinct project command once (README and docs/TRAINIUM.md share several), with every place it appears.

@@ -81,7 +81,8 @@ def torchtitan_importers(files: dict[str, Path]) -> list[str]:
 # edges of this graph. Each pattern is an fnmatch pattern over dotted module names; every module matches one.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["qwen3_research.__main__", "qwen3_research.plan", "qwen3_research.doctor",
-                      "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare"]),
+                      "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare",
+                      "qwen3_research.config_docs"]),
     ("launch", ["qwen3_research.launch", "qwen3_research.launch.*"]),
     ("recipe", ["qwen3_research.trainer", "qwen3_research.step", "qwen3_research.planner", "qwen3_research.fit"]),
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),

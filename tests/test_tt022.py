@@ -4,8 +4,8 @@ upstream torchtitan 0.2.2, the base of AWS's torchtitan-neuron 0.2.2+neuron.1).
 CI builds that environment from requirements-tt022.lock and runs ``pytest -m tt022`` in it (.ci/run).
 Everything here also runs in the main (torchtitan 0.3.0) environment: the cheap checks pass on both;
 the multi-step runs that the main suite already makes on 0.3.0 (named in each skip reason) and the
-refusals that only exist on 0.2.x are skipped there. ``@pytest.mark.feature`` marks write README's feature
-table (tests/feature_table.py): a test marked ``@only_on_legacy`` shows its row on 0.2.x, the others on both.
+refusals that only exist on 0.2.x are skipped there. ``@pytest.mark.feature`` marks write docs/FEATURES.md's
+feature table (tests/feature_table.py): a test marked ``@only_on_legacy`` shows its row on 0.2.x, the others on both.
 """
 
 from __future__ import annotations
@@ -573,17 +573,17 @@ def test_the_torchtitan_source_each_seam_mirrors_is_unchanged():
     assert not changed, "torchtitan changed what a 0.2.x seam mirrors: " + "; ".join(changed)
 
 
-# -- README's feature table (tests/feature_table.py) -----------------------------------------------
+# -- docs/FEATURES.md's feature table (tests/feature_table.py) --------------------------------------
 
 
-def test_readme_feature_table_is_what_the_tests_show():
-    """README's table equals the one written from the tests' feature markers (both environments: the markers are
+def test_feature_table_is_what_the_tests_show():
+    """docs/FEATURES.md's table equals the one written from the tests' feature markers (both environments: the markers are
     read from the source). After adding, removing or re-marking a test: python -m tests.feature_table --write."""
     from tests import feature_table
 
-    got, want = feature_table.readme_table(), feature_table.table()
+    got, want = feature_table.page_table(), feature_table.table()
     print(f"\n{want}")
-    assert got == want, "README's feature table is stale: run python -m tests.feature_table --write"
+    assert got == want, "docs/FEATURES.md's feature table is stale: run python -m tests.feature_table --write"
 
 
 def test_a_removed_test_removes_its_check_mark(tmp_path):

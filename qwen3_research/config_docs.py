@@ -1,0 +1,174 @@
+"""``python -m qwen3_research.config_docs``: docs/CONFIG.md, the reference of every config key, from the schema.
+
+Each field of the schema (``qwen3_research/config.py``) carries an attribute docstring, a string literal right after
+it (as torchtitan's config dataclasses do), saying what the key does and which module reads it. Python keeps no such
+string at run time, so they are read from the source with ``ast``; types and defaults come from the dataclasses.
+``--check`` exits 1 naming every field without a docstring, and when docs/CONFIG.md differs from what it would write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from pathlib import Path
+
+from omegaconf import MISSING
+
+from qwen3_research import config
+from qwen3_research.compose import CONF_DIR
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
+COMMAND = "python -m qwen3_research.config_docs"
+
+
+def attribute_docs(source: str) -> dict[tuple[str, str], tuple[int, str | None]]:
+    """(class, field) -> (line, docstring or None) for every annotated field of every class in ``source``."""
+    docs = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                is_doc = (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                          and isinstance(nxt.value.value, str))
+                doc = " ".join(inspect.cleandoc(nxt.value.value).split()) if is_doc else None
+                docs[(node.name, stmt.target.id)] = (stmt.lineno, doc or None)
+    return docs
+
+
+@dataclasses.dataclass
+class Key:
+    path: str  # model.moe.balance; kernels.entries[].name for a list of dataclasses
+    cls: type  # the dataclass holding the field
+    field: dataclasses.Field
+    annotation: str  # as written in the source
+    nested: type | None  # the dataclass this field holds (a section), if any
+
+
+def walk(root: type, prefix: str = "") -> list[Key]:
+    """Every field reachable from ``root``, depth first, sections before their keys."""
+    hints = typing.get_type_hints(root, vars(sys.modules[root.__module__]))
+    out = []
+    for f in dataclasses.fields(root):
+        hint = hints[f.name]
+        inner = typing.get_args(hint)[0] if typing.get_origin(hint) in (list, typing.List) else hint
+        nested = inner if dataclasses.is_dataclass(inner) else None
+        path = f"{prefix}{f.name}"
+        out.append(Key(path, root, f, f.type if isinstance(f.type, str) else getattr(hint, "__name__", str(hint)),
+                       nested))
+        if nested is not None:
+            out += walk(nested, f"{path}[]." if nested is not hint else f"{path}.")
+    return out
+
+
+def missing_docstrings(root: type = config.RunConfig, source: str | None = None,
+                       filename: str | None = None) -> list[str]:
+    """One line per schema field without a docstring: where it is, its key, and what to add."""
+    module = sys.modules[root.__module__]
+    source = inspect.getsource(module) if source is None else source
+    filename = filename or getattr(module, "__file__", root.__module__)
+    docs = attribute_docs(source)
+    out = []
+    for k in walk(root):
+        line, doc = docs.get((k.cls.__name__, k.field.name), (0, None))
+        if doc is None:
+            out.append(f"{filename}:{line}: {k.cls.__name__}.{k.field.name} (key {k.path}) has no docstring; add a "
+                       "string literal right after the field saying what the key does and which module reads it")
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return ""
+    else:
+        value = f.default
+    if value is MISSING:
+        return "required"
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str) and value == "":
+        return '`""`'
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "&lt;")  # <run dir> would read as an HTML tag
+
+
+def render(root: type = config.RunConfig, source: str | None = None) -> str:
+    """docs/CONFIG.md's text: a section per top-level key, a table (key, type, default, description) per dataclass."""
+    source = inspect.getsource(sys.modules[root.__module__]) if source is None else source
+    docs = attribute_docs(source)
+    keys = walk(root)
+    doc = {k.path: docs.get((k.cls.__name__, k.field.name), (0, None))[1] or "(no docstring)" for k in keys}
+    lines = ["# Config reference", "",
+             f"<!-- Generated by `{COMMAND}` from the field docstrings of qwen3_research/config.py; do not edit: "
+             "tests/test_config_docs.py fails when this file differs from what the command writes. -->", "",
+             "Every key of a run, by section. Set one with `section.key=value` on the command line; a config group's "
+             "options (`group=option`) are YAML files in `conf/<group>/` that set several keys at once. A misspelled "
+             "key, a wrong type or an unknown option fails before anything runs, with one line naming the key, and "
+             "exit status 2. How the groups, model flavors and data fit together: [CONFIGURING.md](CONFIGURING.md).",
+             ""]
+    tables: dict[str, list[Key]] = {}
+    order: list[tuple[str, type]] = []
+    for k in keys:
+        if k.nested is not None:
+            order.append((k.path, k.nested))
+            tables.setdefault(k.path, [])
+        else:
+            parent = k.path.rsplit(".", 1)[0].removesuffix("[]")
+            tables.setdefault(parent, []).append(k)
+    for path, cls in order:
+        top = "." not in path
+        lines.append(f"{'##' if top else '###'} `{path}`")
+        lines.append("")
+        if not top:  # the field's own docstring, then its class's
+            lines.append(doc[path])
+        lines.append(inspect.cleandoc(cls.__doc__ or ""))
+        group = Path(CONF_DIR) / path
+        if top and group.is_dir():
+            options = sorted(p.stem for p in group.glob("*.yaml"))
+            lines.append(f"\nConfig group `{path}=`: options {', '.join(f'`{o}`' for o in options)} (`conf/{path}/`).")
+        lines.append("")
+        rows = tables.get(path.removesuffix("[]"), []) or tables.get(path, [])
+        if rows:
+            lines += ["| key | type | default | description |", "|---|---|---|---|"]
+            lines += [f"| `{k.path}` | `{k.annotation}` | {_default(k.field)} | {_cell(doc[k.path])} |" for k in rows]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a field lacks a docstring "
+                        "or the file differs")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"where to write (default {OUT})")
+    args = parser.parse_args(argv)
+    missing = missing_docstrings()
+    for line in missing:
+        print(line, file=sys.stderr)
+    text = render()
+    if args.check:
+        stale = not args.out.is_file() or args.out.read_text() != text
+        if stale:
+            print(f"{args.out} differs from the schema's docstrings: run {COMMAND}", file=sys.stderr)
+        return 1 if missing or stale else 0
+    if missing:
+        return 1
+    args.out.write_text(text)
+    print(f"wrote {args.out} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
