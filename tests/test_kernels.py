@@ -286,7 +286,12 @@ def test_verify_kernels_cli(tmp_path):
     assert "2/2 kernel(s) pass" in proc.stdout
     bad = run_cli(["model=native_moe", "kernels=nki_rope", "data.seq_len=300"], module="qwen3_research.verify_kernels")
     assert bad.returncode == 2
-    assert "kernels=nki_rope needs data.seq_len to be a multiple of 128 × LNC = 256; got 300" in bad.stderr
+    # the device rule comes first (issue 40): on cpu the NKI kernel is refused for its device, in one line, before its
+    # shape rules (those are checked on a neuron device double above)
+    assert bad.stderr.strip().splitlines() == [
+        "config error: kernels=nki_rope needs device neuron (kernel nki_rope); this run's device is cpu; these are "
+        "Trainium (NKI) kernels (device=neuron); on cpu/cuda use kernels=moe_fast / rope_fast (or triton_moe / "
+        "triton_rope on cuda)"], bad.stderr
 
 
 def _run(tmp_path, name, args, steps=10):
