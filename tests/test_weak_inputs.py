@@ -293,4 +293,5 @@ def test_sweep_points_that_differ_only_in_seed_or_lr_share_one_plan(tmp_path, mo
     assert len(traced) == 2  # seq_len 32 once, seq_len 64 once
     assert got[0]["predicted_peak_gib"] == got[1]["predicted_peak_gib"] == got[2]["predicted_peak_gib"]
     assert got[3]["error"].startswith("config error: training.seed must be in [0, ")
-    assert [c["data"]["seq_len"] for c in traced] == [32, 64] and "predicted_peak_gib" in got[4]
+    # make_plan gets each point's one resolution (sweep.resolve_point), which its run starts from
+    assert [c.config["data"]["seq_len"] for c in traced] == [32, 64] and "predicted_peak_gib" in got[4]
