@@ -16,7 +16,7 @@ from qwen3_research import allocator, devices, titan
 from qwen3_research.devices import lnc as lnc_facts
 from qwen3_research.devices import runtime as device_runtime
 from qwen3_research.errors import ConfigError
-from tests.conftest import FAST, assert_ok, cli_env, read_metrics, run_cli
+from tests.conftest import FAST, assert_ok, cli_env, fault_env, read_metrics, run_cli
 
 GIB = 1024**3
 
@@ -425,7 +425,7 @@ def test_a_toy_device_kind_trains_checkpoints_and_resumes_through_the_cli(tmp_pa
     straight, run = tmp_path / "straight", tmp_path / "run"
     first = run_cli(args, run_dir=straight, env=env)
     assert_ok(first)
-    killed = run_cli([*args, "training.fault=kill@3"], run_dir=run, env=env)
+    killed = run_cli(args, run_dir=run, env={**env, **fault_env("kill@3")})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, env=env)
     assert_ok(resumed)

@@ -40,4 +40,7 @@ def build(cfg, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenize
     return Bigram(device, seed, tokenizer.vocab_size)
 
 
-BACKEND = BackendSpec(name="toy", describe=describe, build=build, chunked_loss=False)  # forward gives the logits only
+# ``flavors``: the names model.flavor may take; a backend that names its architectures declares them, so a flavor is
+# read (issue 40: a model.flavor no backend option reads is refused). The toy has one architecture.
+# chunked_loss=False: forward gives the logits only
+BACKEND = BackendSpec(name="toy", describe=describe, build=build, chunked_loss=False, flavors={"bigram": DIM})
