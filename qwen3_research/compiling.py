@@ -106,11 +106,9 @@ DEFAULT_CACHE_DIR = "auto"  # compile.cache_dir's default: <the project's cache 
 
 def cache_root(configured: str) -> str:
     """compile.cache_dir as an absolute path: ``auto`` is ``compile/`` in the project's cache folder
-    (QWEN3_RESEARCH_CACHE, else $XDG_CACHE_HOME/qwen3_research, as ``devices.host.cache_dir``, not created here)."""
+    (``devices.cache_path``: QWEN3_RESEARCH_CACHE, else $XDG_CACHE_HOME/qwen3_research; not created here)."""
     if configured == DEFAULT_CACHE_DIR:
-        base = os.environ.get("QWEN3_RESEARCH_CACHE") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qwen3_research")
-        return str(Path(base, "compile").absolute())
+        return str((devices.cache_path() / "compile").absolute())
     return str(Path(os.path.expanduser(configured)).absolute())
 
 

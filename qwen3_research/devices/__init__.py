@@ -44,7 +44,8 @@ from qwen3_research.devices import cpu, cuda, neuron  # each registers its spec
 from qwen3_research.devices.cpu import cpu_isa
 from qwen3_research.devices.cuda import GPU_FP32_BY_BF16_PEAK, PLANNED_GPUS, planned_gpu, tf32_enabled
 from qwen3_research.devices.cuda import unavailable_reason as cuda_unavailable_reason
-from qwen3_research.devices.host import CGROUP_MEMORY_LIMITS, cache_dir, cgroup_memory_files, cpu_cores, host_memory
+from qwen3_research.devices.host import (CGROUP_MEMORY_LIMITS, cache_dir, cache_path, cgroup_memory_files, cpu_cores,
+                                         host_memory)
 from qwen3_research.devices.lnc import (LNC_DEFAULT_NEURON, LNC_ENV, NUM_CORES_ENV, VISIBLE_CORES_ENV, export_lnc,
                                         neuron_logical_core_count, prepare_neuron_cores, resolve_lnc)
 from qwen3_research.devices.neuron import NEURON_INSTALL, TRN2_CORE_PEAK, neuron_environment

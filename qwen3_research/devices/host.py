@@ -58,11 +58,14 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cache_path() -> Path:
+    """This project's cache folder (QWEN3_RESEARCH_CACHE, else $XDG_CACHE_HOME/qwen3_research), not created."""
+    return Path(os.environ.get("QWEN3_RESEARCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qwen3_research"))
+
+
 def cache_dir() -> Path:
-    """This project's cache folder (QWEN3_RESEARCH_CACHE, else $XDG_CACHE_HOME/qwen3_research), created."""
-    root = os.environ.get("QWEN3_RESEARCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qwen3_research"
-    )
-    path = Path(root)
+    """This project's cache folder (``cache_path``), created."""
+    path = cache_path()
     path.mkdir(parents=True, exist_ok=True)
     return path
