@@ -90,7 +90,7 @@ def test_backend_modules_validate_without_torch():
     """Describing a model (what validation needs) imports no torch: every in-tree spec module, and the toy's."""
     code = ("import sys; from qwen3_research import models; from qwen3_research.config import ModelConfig; "
             "[models.describe(ModelConfig(backend=b, path='/models/x')) for b in ('native', 'native_moe', 'hf')]; "
-            "models.describe(ModelConfig(backend='toy', module='tests.toy_backend')); "
+            "models.describe(ModelConfig(backend='toy', module='tests.toy_backend', flavor='bigram')); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)

@@ -23,6 +23,9 @@ from qwen3_research.signals import Interrupted, signal_number
 from qwen3_research.startup import quiet_libraries
 
 
+_SWEEP_LOCKS: dict[str, Any] = {}  # sweep dir -> its rundir.RunDirLock, while this process's sweep runs
+
+
 class SweepReport(Callback):
     """Before a multirun: the plan of every point (``sweep.plan``, printed, ``plan.json``). At its end:
     comparison table and plots in the sweep dir, sweep.json with the wall time; exit status 3 when
@@ -30,7 +33,9 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.t0 = time.perf_counter()
-        self.lock = lock_sweep_dir(Path(config.hydra.sweep.dir))
+        # held in the module, not on the callback: a remote launcher (submitit) pickles the callbacks with the
+        # job, and a lock (its RLock) does not pickle
+        _SWEEP_LOCKS[str(config.hydra.sweep.dir)] = lock_sweep_dir(Path(config.hydra.sweep.dir))
         if config.get("sweep") is not None and config.sweep.plan:
             def plan() -> dict:
                 resolutions: dict = {}
@@ -60,8 +65,9 @@ class SweepReport(Callback):
             "points_wall_s": point_s,
         }, indent=1))
         print(summary_line, flush=True)  # the sweep's last stdout line
-        if getattr(self, "lock", None) is not None:
-            self.lock.release()
+        lock = _SWEEP_LOCKS.pop(str(config.hydra.sweep.dir), None)
+        if lock is not None:
+            lock.release()
         if any(r.status not in ("ok", "skipped") for r in runs):
             print(f"sweep finished with failed points (exit status {EXIT_SOME_FAILED})", file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_FAILED)
