@@ -163,6 +163,30 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")  # tests/file_costs.py writes it from a --durations=0 log
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest test files first (longest-processing-time-first scheduling). With ``--dist loadfile`` a file
+    runs whole on one worker, and pytest-xdist hands files out in collection order (README's command passes
+    --no-loadscope-reorder; xdist's own reorder puts the files with the most tests first, which sent the 16-minute
+    pairwise matrix, one test, last: one worker ran it alone for its last 12 minutes). Within a file the order stays
+    the definition order."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    files = {item.nodeid.split("::")[0]: None for item in items}
+    rank = {f: i for i, f in enumerate(sorted(files, key=lambda f: -seconds.get(f, 0.0)))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+def pytest_runtest_logreport(report):
+    """QWEN3_TEST_TIMES=FILE: each phase's seconds appended as it ends (``--durations`` prints only when the whole
+    run ends), in ``--durations=0``'s line format, for tests/file_costs.py."""
+    path = os.environ.get("QWEN3_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
+
+
 # Modules (by name) with a failed test: their directories stay for the post-mortem.
 _FAILED_MODULES: set[str] = set()
 

@@ -1,0 +1,30 @@
+"""The pairwise matrix's odd-numbered cells (tests/pairwise_run.py says what a cell must do; docs/PAIRWISE.md
+is the table). The matrix is split in two files so that the two pytest workers each run half of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.pairwise_run import CELLS, check_rows, run_and_record
+from tests.test_hf import write_hf_checkpoint
+
+pytestmark = pytest.mark.slow
+
+MINE = [i for i in range(len(CELLS)) if i % 2 == 1]
+RESULTS: dict[int, str] = {}  # cell -> its table outcome, as the cells of this file run
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_tiny", moe=False)
+
+
+@pytest.mark.parametrize("i", MINE)
+def test_cell_runs_or_is_refused_before_it_starts(i, hf_dir, tmp_path):
+    run_and_record(i, hf_dir, tmp_path, RESULTS)
+
+
+def test_the_table_rows_are_what_the_cells_did():
+    check_rows(MINE, RESULTS, with_header=False)
