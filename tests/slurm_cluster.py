@@ -123,6 +123,9 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdTimeout=60
 KillWait=30
+# A loaded CI host may take longer than the default 60 s to reap a signalled step; Slurm would then drain the node
+# ("Kill task failed") and a requeued job would wait for it forever.
+UnkillableStepTimeout=300
 MinJobAge=600
 # A requeued job may start again after cred_expire (AuthInfo above; default 120 s).
 JobRequeue=1
@@ -204,6 +207,18 @@ PartitionName={PARTITION} Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP Ove
             if info["JobState"] not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING") or time.monotonic() > deadline:
                 return info
             time.sleep(0.5)
+
+    def diagnosis(self, job_id: str, sweep: Path | None = None) -> str:
+        """What a stuck job's failure message needs: the job, the nodes' states and reasons, the controller's last
+        lines, and each attempt's submitit logs."""
+        parts = [self.run(["scontrol", "show", "job", str(job_id)]).stdout, self.run(["sinfo", "-R", "-N", "-l"]).stdout]
+        ctl = self.root / "log" / "slurmctld.log"
+        if ctl.exists():
+            parts.append("slurmctld.log (last 40 lines):\n" + "\n".join(ctl.read_text(errors="replace").splitlines()[-40:]))
+        if sweep is not None:
+            for log in sorted((sweep / ".submitit").glob(f"{job_id}/*.err")):
+                parts.append(f"{log.name} (last 30 lines):\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        return "\n\n".join(parts)
 
     def job_times(self, job_id: str) -> dict:
         """StartTime, EndTime, JobState and ExitCode of a job from ``scontrol show job`` (kept MinJobAge=600 s)."""

@@ -34,36 +34,26 @@ EXTRAS = {
 def test_every_combination_composes_and_validates():
     combos = list(itertools.product(*(options(g) for g in GROUPS)))
     assert len(combos) >= 3 * 1 * 1 * 1 * 3 * 4, f"too few options: {[options(g) for g in GROUPS]}"
-    # Hydra composes every combination of the first four groups; data and device options are composed once
-    # each and put in place. Exact, because every option writes only its own group's section (no option has
-    # a global package: test_group_options_extend_their_schema). Each head and each data/device section is typed
-    # against the schema once (OmegaConf's merge is 23 ms, the bulk of the time when done per combination), and
-    # every combination is then assembled from those typed sections and validated.
+    # Hydra composes each option of each group once, and every combination is assembled from those typed sections
+    # and validated. Exact, because every option writes only its own group's section and interpolates only its own
+    # keys (no option has a global package: test_group_options_extend_their_schema). Typing against the schema once
+    # per section matters: OmegaConf's merge is 23 ms, and a compose per combination of the first four groups was
+    # most of this test's minute.
     import copy
     import dataclasses
 
     from qwen3_research.resolve import check_device_settings
 
-    head, tail = GROUPS[:4], GROUPS[4:]
-
-    def overrides_for(groups, combo):
-        out = [f"{g}={o}" for g, o in zip(groups, combo)]
-        for g, o in zip(groups, combo):
-            out += EXTRAS.get((g, o), [])
-        return out
-
     def typed(cfg) -> RunConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        base = typed(OmegaConf.to_container(compose(config_name="config", overrides=[])))
         sections = {(g, o): getattr(typed({g: OmegaConf.to_container(
-                        compose(config_name="config", overrides=overrides_for([g], [o]))[g])}), g)
-                    for g in tail for o in options(g)}
-        heads = {c: typed(OmegaConf.to_container(compose(config_name="config", overrides=overrides_for(head, c))))
-                 for c in itertools.product(*(options(g) for g in head))}
+                        compose(config_name="config", overrides=[f"{g}={o}", *EXTRAS.get((g, o), [])])[g])}), g)
+                    for g in GROUPS for o in options(g)}
     for combo in combos:
-        rc = copy.deepcopy(dataclasses.replace(heads[combo[:4]], **{g: sections[(g, o)]
-                                                                    for g, o in zip(tail, combo[4:])}))
+        rc = copy.deepcopy(dataclasses.replace(base, **{g: sections[(g, o)] for g, o in zip(GROUPS, combo)}))
         assert isinstance(rc, RunConfig)
         assert rc.model.backend == {"native": "native", "native_moe": "native", "hf": "hf"}[combo[0]]
         if rc.device.type == "neuron" and importlib.util.find_spec("torch_neuronx") is None:

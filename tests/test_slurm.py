@@ -167,7 +167,11 @@ def test_requeued_job_resumes_into_the_same_run(slurm_cluster, tmp_path):
         rq = slurm_cluster.run(["scontrol", "requeue", job])
         print(f"scontrol requeue {job} after {steps_before} logged steps: rc {rq.returncode} {rq.stderr.strip()}")
         assert rq.returncode == 0
-        out, _ = submit.communicate(timeout=300)
+        try:
+            out, _ = submit.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            submit.kill()
+            pytest.fail(f"the requeued job did not finish in 420 s:\n{slurm_cluster.diagnosis(job, sweep)}")
     finally:
         submit.kill()
     assert submit.returncode == 0, out[-4000:]
