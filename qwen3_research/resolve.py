@@ -236,6 +236,10 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     facts = models.describe(rc.model)
 
     kind = planned if elsewhere else devices.device_kind(rc.device.type)
+    if rc.model.attention == "flex" and not devices.get(kind).flex_attention:  # before Hydra makes the run dir
+        # (the native model's constructor keeps the same guard for a model built without a resolution)
+        raise ConfigError(f"model.attention=flex needs device cuda (FlexAttention has no {kind} training kernels: no "
+                          f"backward on {kind.upper()}); this run's device is {kind}: use model.attention=sdpa")
     lnc = devices.resolve_lnc(rc.device.lnc, kind)
     p = rc.parallelism
     if elsewhere:  # the host's own count stands in for the planned host's (nothing to ask here)

@@ -13,6 +13,7 @@ def test_flex_on_cpu_is_refused_with_one_line(tmp_path):
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last == ("config error: model.attention=flex needs device cuda (FlexAttention has no cpu training kernels: "
                     "no backward on CPU); this run's device is cpu: use model.attention=sdpa")
+    assert not (tmp_path / "r").exists(), "refused after Hydra made the run directory"
 
 
 @pytest.mark.feature("FlexAttention with a BlockMask (forward on CPU)")

@@ -79,7 +79,7 @@ class NativeQwen3(ModelBackend):
         if cfg.attention == "flex" and not (spec is not None and spec.flex_attention):
             raise ConfigError(
                 f"model.attention=flex needs device cuda (FlexAttention has no {device.type} training kernels: no "
-                f"backward on CPU); this run's device is {device.type}: use model.attention=sdpa"
+                f"backward on {device.type.upper()}); this run's device is {device.type}: use model.attention=sdpa"
             )
         self.flex = cfg.attention == "flex"
         self._masks: dict = {}
