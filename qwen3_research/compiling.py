@@ -63,7 +63,7 @@ class CompileDecision:
 
 
 # torch.compile per block under tensor parallelism fails in the first backward for these models (CPU, torch 2.14,
-# found by tests/test_pairwise.py): AOTAutograd guesses a block output's tangent wrong, "Expected a DTensor tangent
+# found by the pairwise matrix, tests/pairwise.py): AOTAutograd guesses a block output's tangent wrong, "Expected a DTensor tangent
 # but got a plain Tensor" (MoE: the router's outputs; model=hf: 'Tensor' object has no attribute '_local_tensor' in
 # DTensor's redistribute backward). torchtitan's own dense Qwen3 compiles under TP (tp2 and tp2 + SP run).
 TP_UNCOMPILABLE = "per-block torch.compile under tensor parallelism fails in the first backward for {what} " \

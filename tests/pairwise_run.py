@@ -1,6 +1,6 @@
 """The runner of the pairwise matrix (issue 33, deliver 4): every combination runs or is refused before it starts.
 The all-pairs cells of tests/pairwise.py each run through the real CLI for 2 steps, half of them in
-tests/test_pairwise.py and half in tests/test_pairwise_odd.py, so that the two pytest workers (``--dist loadfile``)
+tests/test_pairwise_a.py and half in tests/test_pairwise_b.py, so that the two pytest workers (``--dist loadfile``)
 share the matrix instead of one running all of it while the other idles.
 
 A cell passes when it either
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -36,20 +37,37 @@ STEPS = 2
 BASE = [f"training.steps={STEPS}", "data.seq_len=32", "data.batch_size=2", "logging.print_config=false",
         "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 DP = {"single": 1, "fsdp": 2, "tp2": 1, "tp2_nosp": 1, "ep2": 2}  # data-parallel ranks of each layout
-ROUTING_KEYS = ("moe_max_load", "moe_cv", "moe_empty_frac", "moe_entropy")
 TABLE = ROOT / "docs" / "PAIRWISE.md"
 
 
-def tolerance(cell: dict[str, str]) -> float:
-    """Loss tolerance against the one-process twin: fp32 dense layouts reproduce it to 1e-4 (tests/test_parallel.py);
-    torchtitan's experts compute in bf16 (1e-2, as test_parallel's MOE_TOL); bf16 on a sharded layout is FSDP2's
-    bf16 parameters against one process's autocast (2e-2 over 2 steps); compile reorders float sums (1e-3)."""
-    tol = 1e-4
-    if cell["model"] == "native_moe" or cell["precision"] == "bf16":
-        tol = 2e-2
+# Twin tolerances (issue 40): (loss as |a - b|, grad norm as |a - b| / max(1, |b|)), every step, by what the cell
+# computes differently from its one-process twin. The largest differences measured here (AVX2 EPYC, the 18 running
+# cells of this set) are in brackets; each tolerance is 5-10x the largest seen:
+# - fp32, dense or hf, eager: the same math in another reduction order (a reduce-scatter's or a sharded matmul's sum,
+#   micro-batches summed): [loss 1.9e-6 = 2 ulp at 12, grad norm 5e-6];
+# - fp32 MoE: as above, and the experts' grouped matmuls split over ranks: [1.1e-5, 9.5e-5];
+# - kernels=fast/reference in fp32: another implementation of the same math: [9.5e-7, 7.3e-6];
+# - compile (fp32): Inductor's fused kernels reorder float sums: [9.5e-7, 5e-6];
+# - bf16: FSDP2's or TP's bf16 parameters against one process's autocast over fp32 weights, or bf16 kernels:
+#   [9.8e-4, 1.2e-3]. Step 1's update moves step 2's loss by ~2e-2, so each tolerance sees a step that did nothing.
+TOLERANCES = {"fp32": (1e-5, 5e-5), "fp32_moe": (1e-4, 1e-3), "kernels": (1e-5, 1e-4), "compile": (1e-5, 1e-4),
+              "bf16": (5e-3, 1e-2)}
+# bf16 (or compile) moves near-tie router scores: a few of a layer's picks land on another expert [3.9 %].
+MOVED_PICKS = {"bf16": 0.10, "compile": 0.10}
+
+
+def tolerance_class(cell: dict[str, str]) -> str:
+    if cell["precision"] == "bf16":
+        return "bf16"
     if cell["compile"] == "on":
-        tol = max(tol, 1e-3)
-    return tol
+        return "compile"
+    if cell["model"] == "native_moe":
+        return "fp32_moe"
+    return "kernels" if cell["kernels"] != "none" else "fp32"
+
+
+def tolerance(cell: dict[str, str]) -> tuple[float, float]:
+    return TOLERANCES[tolerance_class(cell)]
 
 
 def _lines(text: str) -> list[str]:
@@ -63,8 +81,11 @@ def _refused(proc, run_dir: Path) -> str | None:
     err = _lines(proc.stderr)
     assert err and err[-1].startswith("config error: "), f"exit 2 without a config error line:\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, f"a refusal with a traceback:\n{proc.stderr[-3000:]}"
-    assert not (run_dir / "metrics.jsonl").exists(), f"refused after a worker logged a step: {err[-1]}"
-    assert not (run_dir / "checkpoints").exists(), f"refused after a worker saved: {err[-1]}"
+    # Before any worker: no rank's line (a rank prints its model's parameter count and its kernel plan once built,
+    # and the launcher names a failed rank) and no run directory (Hydra makes it just before the task starts).
+    out = proc.stdout + proc.stderr
+    assert not re.search(r"\brank \d|Total parameter count|kernel plan", out), f"a worker started:\n{out[-3000:]}"
+    assert not run_dir.exists(), f"refused after the run directory was made: {sorted(run_dir.iterdir())}"
     return err[-1]
 
 
@@ -72,32 +93,44 @@ def _fail(proc, what: str) -> str:
     return f"{what}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
 
 
-def _twin(cell: dict[str, str], hf_args: list[str], tmp: Path) -> tuple[list[float], list[dict]]:
-    """The one-process twin of ``cell`` on the same global batches: plain, eager, data.batch_size × dp."""
-    twin = {**cell, "layout": "single", "lifecycle": "plain", "compile": "off"}
-    args = [*BASE, *pairwise.overrides(twin), *hf_args, f"data.batch_size={2 * DP[cell['layout']]}"]
-    proc = run_cli(args, run_dir=tmp)
+REFERENCE = {"layout": "single", "lifecycle": "plain", "compile": "off", "loss": "full", "kernels": "none",
+             "grad_accum": "1"}
+
+
+def twin_of(cell: dict[str, str]) -> dict[str, str] | None:
+    """The cell's one-process twin: the same model, precision, data, masking and evaluation on the same global batches,
+    with every other factor at its reference value (one process, eager, the full loss, no kernel, one micro-batch);
+    None when the cell is its own twin. A resumed cell's twin is its uninterrupted run."""
+    twin = {**cell, **REFERENCE}
+    return None if twin == cell else twin
+
+
+def _twin(cell: dict[str, str], hf_args: list[str], tmp: Path) -> list[dict]:
+    twin = twin_of(cell)
+    batch = 2 * DP[cell["layout"]] * int(cell["grad_accum"])
+    proc = run_cli([*BASE, *pairwise.overrides(twin), *hf_args, f"data.batch_size={batch}"], run_dir=tmp)
     assert proc.returncode == 0, _fail(proc, "the one-process twin")
-    rows = read_metrics(tmp)
-    return [r["loss"] for r in rows], rows
+    return read_metrics(tmp)
 
 
 def run_cell(cell: dict[str, str], hf_args: list[str], tmp: Path) -> tuple[str, str]:
     """(outcome for the table, detail for the log) of one cell; an assertion error when it breaks the rule."""
     args = [*BASE, *pairwise.overrides(cell), *hf_args]
     run = tmp / "run"
+    # A first compile of 2 ranks took 120 s of a 250 s run on 2 busy cores (ep2 MoE, evaluation, export)
+    timeout = 900 if cell["compile"] == "on" else 300
     if cell["lifecycle"] == "resume":  # rank 0 SIGKILLed in step 2 after step 1's checkpoint; then resume to the end
-        first = run_cli(args, run_dir=run, env=cli_env(**fault_env("kill@2:rank0")))
+        first = run_cli(args, run_dir=run, env=cli_env(**fault_env("kill@2:rank0")), timeout=timeout)
         line = _refused(first, run)
         if line is not None:
             return f"refused: {line}", ""
         assert first.returncode not in (0, 2), _fail(first, "SIGKILL in step 2")
         assert (run / "checkpoints" / "step-00000001").is_dir(), _fail(first, "no step-1 checkpoint before the kill")
-        proc = run_cli([*args, "checkpoint.resume=auto"], run_dir=run)
+        proc = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, timeout=timeout)
         assert proc.returncode == 0, _fail(proc, "the resume")
         assert f"resumed from {run}/checkpoints/step-00000001 at step 1" in proc.stdout, proc.stdout[-2000:]
     else:
-        proc = run_cli(args, run_dir=run)
+        proc = run_cli(args, run_dir=run, timeout=timeout)
         line = _refused(proc, run)
         if line is not None:
             return f"refused: {line}", ""
@@ -109,38 +142,74 @@ def run_cell(cell: dict[str, str], hf_args: list[str], tmp: Path) -> tuple[str, 
     if cell["lifecycle"] == "export":  # the run verifies the reloaded logits itself, or fails
         config = json.loads((run / "hf" / "config.json").read_text())
         assert config["model_type"] in ("qwen3", "qwen3_moe"), config
-    if cell["layout"] == "single" and cell["lifecycle"] != "resume":
+    if twin_of(cell) is None:
         return outcome, ""
-    losses = [r["loss"] for r in rows]
-    twin_losses, twin_rows = _twin(cell, hf_args, tmp / "twin")
-    diff = max(abs(a - b) for a, b in zip(losses, twin_losses))
-    tol = tolerance(cell)
-    assert diff <= tol, f"losses {losses} vs the one-process twin's {twin_losses}: |diff| {diff:.2e} > {tol:.0e}"
-    detail = f"max |loss - twin| {diff:.1e} (tol {tol:.0e})"
-    if cell["model"] == "native_moe":  # routing statistics are all-reduced over the ranks: the twin's, step 1
-        # fp32: the same routing to 1e-3; bf16 parameters (or compile) move near-tie scores, so a token or two of
-        # 2 × 32 × top-2 picks another expert (measured: CV 0.3289 vs 0.3307 under fsdp bf16): 2 %
-        rtol = 1e-3 if cell["precision"] == "fp32" and cell["compile"] == "off" else 2e-2
-        for key in ROUTING_KEYS:
-            a, b = rows[0][key], twin_rows[0][key]
-            assert abs(a - b) <= rtol * max(1.0, abs(b)), f"step 1 {key} {a} vs the twin's {b} (rtol {rtol:.0e})"
-        detail += f"; step-1 routing = twin's (max_load {rows[0]['moe_max_load']:.3f})"
-    return f"{outcome}, = one-process twin", detail
+    twin_rows = _twin(cell, hf_args, tmp / "twin")
+    return f"{outcome}, = one-process twin", compare_with_twin(cell, rows, twin_rows)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(1.0, abs(b))
+
+
+def compare_with_twin(cell: dict[str, str], rows: list[dict], twin_rows: list[dict]) -> str:
+    """Losses and grad norms of every step at the cell's tolerance; for a MoE, every layer's token count per expert
+    (all-reduced over the ranks: a double count or a dropped all-reduce changes them, where max load, CV and entropy
+    do not), each layer's total being tokens × top-k. Returns the largest differences seen."""
+    tol_loss, tol_grad = tolerance(cell)
+    d_loss = max(abs(r["loss"] - t["loss"]) for r, t in zip(rows, twin_rows))
+    d_grad = max(_rel(r["grad_norm"], t["grad_norm"]) for r, t in zip(rows, twin_rows))
+    seen = f"{tolerance_class(cell)}: loss {d_loss:.1e} (tol {tol_loss:.0e}), grad norm {d_grad:.1e} (tol {tol_grad:.0e})"
+    pairs = [(r["step"], r["loss"], t["loss"], r["grad_norm"], t["grad_norm"]) for r, t in zip(rows, twin_rows)]
+    assert d_loss <= tol_loss and d_grad <= tol_grad, f"{seen}; (step, loss, twin, grad norm, twin): {pairs}"
+    if cell["model"] != "native_moe":
+        return seen
+    moved_max = 0.0
+    for r, t in zip(rows, twin_rows):
+        for lr, lt in zip(r["moe_per_layer"], t["moe_per_layer"], strict=True):
+            assert sum(lr["tokens"]) == sum(lt["tokens"]), f"step {r['step']} layer {lr['layer']}: {lr} vs {lt}"
+            moved = sum(abs(x - y) for x, y in zip(lr["tokens"], lt["tokens"])) / 2 / sum(lt["tokens"])
+            moved_max = max(moved_max, moved)
+    limit = MOVED_PICKS.get(tolerance_class(cell), 0.0)  # fp32: the same picks
+    assert moved_max <= limit, f"{moved_max:.1%} of a layer's expert picks differ from the twin's (limit {limit:.0%})"
+    return seen + f"; per-layer expert token counts: {moved_max:.1%} of picks moved (limit {limit:.0%})"
 
 
 CELLS = pairwise.covering_set() + pairwise.refusal_cells()
 
 
-def header(n_cells: int, n_pairs: int) -> list[str]:
+def half(k: int) -> list[int]:
+    """The cells of half ``k`` (0: tests/test_pairwise_a.py, 1: tests/test_pairwise_b.py): the longest first, each to
+    the half with the least estimated cost so far, so that the two pytest workers end together."""
+    load, out = [0.0, 0.0], [[], []]
+    for i in sorted(range(len(CELLS)), key=lambda i: -pairwise.cell_cost(CELLS[i])):
+        h = load.index(min(load))
+        load[h] += pairwise.cell_cost(CELLS[i])
+        out[h].append(i)
+    return sorted(out[k])
+
+
+def header() -> list[str]:
     names = list(pairwise.FACTORS)
+    running = pairwise.covering_set()
+    triples = set().union(*(pairwise._triples(c) for c in running)) & pairwise.valid_triples()
+    tol = "; ".join(f"{k} {a:.0e} / {b:.0e}" for k, (a, b) in TOLERANCES.items())
     return ["# The pairwise matrix", "",
-           "Generated by `tests/test_pairwise.py` and `tests/test_pairwise_odd.py` (`QWEN3_WRITE_PAIRWISE=1` rewrites it; they fail when it differs",
-           "from what the cells did). Each cell runs the CLI for 2 steps on CPU; `tests/pairwise.py` builds the cells: a",
-           "greedy all-pairs covering set, so every pair of values of two factors below meets in at least one cell that is",
-           "not a known refusal; each known refusal has a cell of its own. A cell either runs (and resumes, exports, and",
-           "equals its one-process twin where it has one) or is refused in one line before any worker starts.",
-           "", f"{n_cells} cells, {n_pairs} pairs of values covered.", "",
-           "| # | " + " | ".join(names) + " | outcome |", "|---" * (len(names) + 2) + "|"]
+            "Generated by `tests/test_pairwise_a.py` and `tests/test_pairwise_b.py` (`QWEN3_WRITE_PAIRWISE=1` rewrites it; they "
+            "fail when it differs from what the cells did). Each cell runs the CLI for 2 steps on CPU; `tests/pairwise.py` "
+            "builds the cells: a greedy all-pairs covering set, so every valid pair of values of two factors below meets in "
+            "at least one cell that runs; each refusal rule has a cell of its own. A cell either runs (and resumes, exports, "
+            "and equals its one-process twin where it has one) or is refused in one line before any worker starts.", "",
+            f"{len(running)} running cells and {len(CELLS) - len(running)} refusal cells, out of "
+            f"{pairwise.n_combinations()} combinations. Pairs: {len(pairwise.valid_pairs())} valid (no refusal rule "
+            f"holds some combination that has them), {pairwise.pairs_covered(running)} covered by the running cells "
+            "(`tests/test_pairwise_coverage.py` recounts both from this table). Triples of "
+            f"{' × '.join(pairwise.TRIPLE_FACTORS)}: {len(triples)} of {len(pairwise.valid_triples())} valid triples "
+            "covered (not all: a 3-wise set would need about twice the cells).", "",
+            "Twin tolerances (loss |a - b| / grad norm relative, every step; MoE: each layer's token count per expert "
+            "equal in fp32, at most 10 % of the picks moved in bf16 or compiled), by what differs from the twin "
+            f"(`tests/pairwise_run.py` gives the largest differences measured): {tol}.", "",
+            "| # | " + " | ".join(names) + " | outcome |", "|---" * (len(names) + 2) + "|"]
 
 
 def row(i: int, outcome: str) -> str:
@@ -167,8 +236,7 @@ def check_rows(indices: list[int], results: dict[int, str], *, with_header: bool
     missing = [i for i in indices if i not in results]
     if missing:
         pytest.skip(f"cells {missing} did not run here (deselected): the table is not checked")
-    n_pairs = pairwise.pairs_covered(pairwise.covering_set())
-    want_head = header(len(CELLS), n_pairs)
+    want_head = header()
     with filelock.FileLock(str(TABLE) + ".lock"):
         lines = TABLE.read_text().splitlines() if TABLE.exists() else []
         rows = {int(ln.split("|")[1]): ln for ln in lines if ln.startswith("| ") and ln.split("|")[1].strip().isdigit()}

@@ -1,5 +1,5 @@
-"""The pairwise matrix's odd-numbered cells (tests/pairwise_run.py says what a cell must do; docs/PAIRWISE.md
-is the table). The matrix is split in two files so that the two pytest workers each run half of it."""
+"""Half of the pairwise matrix's cells (tests/pairwise_run.py says what a cell must do and how the cells are split;
+docs/PAIRWISE.md is the table). The matrix is split in two files so that the two pytest workers each run half of it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.pairwise_run import CELLS, check_rows, run_and_record
+from tests.pairwise_run import check_rows, half, run_and_record
 from tests.test_hf import write_hf_checkpoint
 
 pytestmark = pytest.mark.slow
 
-MINE = [i for i in range(len(CELLS)) if i % 2 == 1]
+MINE = half(1)
 RESULTS: dict[int, str] = {}  # cell -> its table outcome, as the cells of this file run
 
 
