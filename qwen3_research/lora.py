@@ -22,7 +22,8 @@ The API (what the step, the checkpointer, the planner and the exports use):
 - ``adapter_state_dict(model) -> dict``: the adapters as full tensors under PEFT's keys for the HF base
   (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``); collective under a sharded model.
 - ``tp_plan(plan, root, no_parallel) -> dict``: a tensor-parallel plan over Linears rewritten for their adapters.
-- ``check_run(rc, degrees, backend_spec)``: the combinations refused before any worker starts (resolve.py).
+- ``check_run(rc, degrees, backend_spec, is_moe=False)``: the combinations refused before any worker starts
+  (resolve.py), and targets a MoE has no Linear for.
 - ``is_adapter_key(key)``, ``base_key(key)``: a state-dict key of an adapter; a base weight's key without PEFT's
   ``base_layer`` (what loaders of the base's weights match).
 - ``peft_config(lora_cfg, targets=None) -> peft.LoraConfig``: the PEFT config of these keys (adapter_config.json).
@@ -75,11 +76,20 @@ def hf_module_name(name: str) -> str | None:
     return None
 
 
-def check_run(rc, degrees, backend_spec) -> None:
-    """The combinations a LoRA run cannot run, refused in one line before any worker starts (resolve.resolve_run)."""
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_run(rc, degrees, backend_spec, is_moe: bool = False) -> None:
+    """The combinations a LoRA run cannot run, refused in one line before any worker starts (resolve.resolve_run).
+    ``is_moe``: every decoder layer's MLP is experts (parameters, not Linears), so only attention takes adapters;
+    without this the miss surfaced in each rank's build (apply_lora), after the workers started."""
     lc = rc.model.lora
     if not lc.enable:
         return
+    if is_moe and not set(lc.target_modules) & set(_ATTENTION):
+        raise ConfigError(f"model.lora.target_modules={list(lc.target_modules)} match no module of this MoE model: its "
+                          "MLPs are experts, which stay frozen; add the attention projections (q_proj, k_proj, "
+                          "v_proj, o_proj)")
     if degrees.tp > 1 and backend_spec.torchtitan:
         raise ConfigError(f"model.lora.enable=true with parallelism.tp={degrees.tp} on model={backend_spec.name}: the "
                           "adapters have no tensor-parallel plan on torchtitan's sharded Linears yet; use parallelism.tp=1 "

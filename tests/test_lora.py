@@ -124,6 +124,91 @@ def test_base_frozen_optimizer_holds_adapters_count_is_pefts(trained, hf_dir, ba
     assert ours == tuple(theirs)
 
 
+# -- layouts in one process: each works, or is refused in one line by the resolution ------------
+
+
+def test_evaluation_native_equals_hf_and_changes_nothing(trained):
+    """training.eval_every's evaluation under LoRA: the held-out loss of the trained adapters is the same on both
+    backends (≤1e-5: the same base, the same trained adapters) and evaluating moves no parameter."""
+    evals = {}
+    for backend in ("hf", "native"):
+        model = trained[backend]["step"].backend.model
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        evals[backend] = trained[backend]["step"].evaluate()
+        assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    print(f"\nheld-out loss after 3 LoRA steps: {evals}")
+    assert abs(evals["hf"] - evals["native"]) <= 1e-5 and evals["hf"] == evals["hf"]
+
+
+@pytest.mark.slow  # ~15 s unloaded, 31-35 s measured on the shared 2 cores
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_accumulation_checkpointing_compile_equal_the_plain_run(trained, hf_dir, tmp_path, backend):
+    """training.grad_accum=2 over data.batch_size=1, activation checkpointing (full) and torch.compile of each
+    block (backend aot_eager: dynamo and AOT autograd through PEFT's layers, without inductor's C++ build), all at
+    once: steps 1-2 equal the plain run's (batch 2, eager) to 1e-5 and the base stays bit-identical. Fails if any
+    of them lost the adapters' gradients (step 2 would be the untouched base's loss) or trained the base."""
+    from qwen3_research import lora
+
+    model = ["model=hf", f"model.path={hf_dir}"] if backend == "hf" else ["model=native", f"model.init_from={hf_dir}"]
+    step = build_step([*model, *FAST, *LORA, "training.steps=2", "data.batch_size=1", "training.grad_accum=2",
+                       "parallelism.activation_checkpoint=full", "compile.enable=true", "compile.backend=aot_eager"],
+                      tmp_path)
+    m = step.backend.model
+    base = {n: p.detach().clone() for n, p in m.named_parameters() if not lora.is_adapter_key(n)}
+    losses, plain = run_steps(step, 2), trained[backend]["losses"][:2]
+    names = [n for n, _ in m.named_modules()]
+    checkpointed = getattr(m, "is_gradient_checkpointing", False) or any("checkpoint_wrapped" in n for n in names)
+    print(f"\n[{backend}] accum 2 + AC + compile ({step.compiled}) {losses}\n     plain {plain}")
+    assert step.compiled != "none" and checkpointed
+    assert max(abs(a - b) for a, b in zip(losses, plain)) <= 1e-5 and losses[0] != losses[1]
+    assert all(torch.equal(b, dict(m.named_parameters())[n].detach()) for n, b in base.items())
+
+
+def test_bf16_autocast_trains_the_adapters(trained, hf_dir, tmp_path):
+    """training.mixed_precision=bf16 in one process (autocast over fp32 parameters), native, one step (a bf16
+    step is ~12 s on CPU): the loss is the fp32 run's to bf16 rounding, every lora_B moved off its zero init
+    (gradients reached each adapter through bf16), the base bit-identical."""
+    from qwen3_research import lora
+
+    step = build_step(["model=native", f"model.init_from={hf_dir}", *FAST, *LORA, "training.steps=1",
+                       "training.mixed_precision=bf16"], tmp_path)
+    m = step.backend.model
+    base = {n: p.detach().clone() for n, p in m.named_parameters() if not lora.is_adapter_key(n)}
+    loss, fp32 = run_steps(step, 1)[0], trained["native"]["losses"][0]
+    b = {n: p for n, p in m.named_parameters() if ".lora_B." in n}
+    print(f"\nbf16 autocast step 1 {loss} (fp32 {fp32}); {step.precision}; lora_B nonzero {sum(bool(p.abs().sum()) for p in b.values())}/{len(b)}")
+    assert step.precision["mode"] == "autocast_bf16" and abs(loss - fp32) <= 1e-2
+    assert b and all(p.abs().sum() > 0 for p in b.values())
+    assert all(torch.equal(v, dict(m.named_parameters())[n].detach()) for n, v in base.items())
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["model=native", "parallelism=tp2"], "model.lora.enable=true with parallelism.tp=2 on model=native: the adapters "
+     "have no tensor-parallel plan on torchtitan's sharded Linears yet; use parallelism.tp=1 (FSDP and EP work), or "
+     "model=hf for LoRA under tensor parallel"),
+    (["model=native_moe", "model.lora.target_modules=[gate_proj,up_proj,down_proj]"], "model.lora.target_modules="
+     "['gate_proj', 'up_proj', 'down_proj'] match no module of this MoE model: its MLPs are experts, which stay "
+     "frozen; add the attention projections (q_proj, k_proj, v_proj, o_proj)"),
+    (["model=hf", "model.path=HF", "parallelism=tp2", "model.lora.dropout=0.1"], "model.lora.dropout=0.1 with "
+     "parallelism.tp=2: each tensor-parallel rank would draw its own dropout mask on the replicated adapter input; "
+     "use model.lora.dropout=0"),
+])
+def test_what_lora_cannot_run_is_refused_by_the_resolution(hf_dir, overrides, expect):
+    """Refused by ``resolve_run``, which the CLI, the launcher and the planner ask before any worker starts (its
+    ConfigError is the CLI's one line, exit 2, nothing written: tests/test_resolve.py). In process: the resolution
+    alone. Native TP: torchtitan 0.3 shards its Linears from their own configs, which PEFT's lora_A/lora_B have
+    none of; model=hf has the adapter plan (lora.tp_plan)."""
+    from qwen3_research.compose import compose
+    from qwen3_research.errors import ConfigError
+    from qwen3_research.resolve import resolve_run
+
+    overrides = [o.replace("=HF", f"={hf_dir}") for o in overrides]
+    with pytest.raises(ConfigError) as e:
+        resolve_run(compose([*overrides, "device=cpu", "model.lora.enable=true", *FAST]))
+    print(f"\nconfig error: {e.value}")
+    assert str(e.value) == expect
+
+
 # -- acceptance i: bad LoRA settings, one line before start -------------------------------------
 
 
@@ -187,8 +272,14 @@ def test_moe_ep2_equals_one_process(tmp_path):
     Step 1 is bit-equal; later steps differ by the all-reduce's fp32 sum order, which torchtitan's experts (their
     grouped matmul in bf16, tests/test_parallel.py MOE_TOL) round to bf16: measured 2.8e-5 at step 3 of loss 12."""
     args = ["model=native_moe", *FAST, *LORA]
+    from qwen3_research import lora
+
     step = build_step(args, tmp_path / "one")
+    frozen = {n: p.detach().clone() for n, p in step.backend.model.named_parameters() if not lora.is_adapter_key(n)}
     one = run_steps(step)
+    params = dict(step.backend.model.named_parameters())
+    assert not any(".lora_" in n and "experts" in n for n in params)
+    assert all(torch.equal(v, params[n].detach()) for n, v in frozen.items())  # the experts (and all the base)
     proc = run_cli([*args, "data.batch_size=1", "parallelism.nproc_per_node=2", "parallelism.ep=2"],
                    run_dir=tmp_path / "ep", timeout=600)
     assert_ok(proc)
