@@ -41,9 +41,6 @@ import re
 import zlib
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-
 from qwen3_research.config import ConfigError, LoraConfig
 
 ADAPTER = "default"  # PEFT's adapter name (its modules: lora_A.default, lora_B.default)
@@ -147,6 +144,8 @@ def base_key(key: str) -> str:
 
 def target_names(model: nn.Module, lora_cfg: LoraConfig) -> list[str]:
     """The module paths of ``model`` (as named there) whose HF name's projection is in ``model.lora.target_modules``."""
+    import torch.nn as nn  # deferred: resolve.py (start-up, no torch) imports this module for check_run
+
     wanted = set(lora_cfg.target_modules)
     out = []
     for name, module in model.named_modules():
@@ -216,24 +215,27 @@ def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
-@torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> int:
     """Every adapter's A (kaiming-uniform, a=sqrt(5): PEFT's default) from a per-module generator, B zero; any
     layout (a DTensor gets its shard of the same full tensor). Returns how many adapters."""
+    import torch  # deferred: see target_names
+    import torch.nn as nn
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     n = 0
-    for name, layer in lora_layers(model):
-        for which in ("lora_A", "lora_B"):
-            p = getattr(layer, which)[ADAPTER].weight
-            full = torch.zeros(tuple(p.shape), dtype=torch.float32)
-            if which == "lora_A":
-                nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=torch.Generator().manual_seed(_seed_for(seed, name)))
-            if isinstance(p, DTensor):
-                p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements))
-            else:
-                p.copy_(full.to(device=p.device, dtype=p.dtype))
-        n += 1
+    with torch.no_grad():
+        for name, layer in lora_layers(model):
+            for which in ("lora_A", "lora_B"):
+                p = getattr(layer, which)[ADAPTER].weight
+                full = torch.zeros(tuple(p.shape), dtype=torch.float32)
+                if which == "lora_A":
+                    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+                    nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+                if isinstance(p, DTensor):
+                    p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements))
+                else:
+                    p.copy_(full.to(device=p.device, dtype=p.dtype))
+            n += 1
     return n
 
 
