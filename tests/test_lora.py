@@ -164,6 +164,7 @@ def test_accumulation_checkpointing_compile_equal_the_plain_run(trained, hf_dir,
     assert all(torch.equal(b, dict(m.named_parameters())[n].detach()) for n, b in base.items())
 
 
+@pytest.mark.slow  # 14-40 s on the shared 2 cores: a bf16 step on CPU is ~12 s
 def test_bf16_autocast_trains_the_adapters(trained, hf_dir, tmp_path):
     """training.mixed_precision=bf16 in one process (autocast over fp32 parameters), native, one step (a bf16
     step is ~12 s on CPU): the loss is the fp32 run's to bf16 rounding, every lora_B moved off its zero init
