@@ -588,8 +588,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_object(cfg)
-    if cfg.compile.enable not in ("auto", True, False):
-        raise ConfigError(f"compile.enable must be auto, true or false, got {cfg.compile.enable!r}")
+    if not (cfg.compile.enable == "auto" or isinstance(cfg.compile.enable, bool)):  # 1 == True, but is not True:
+        # compile.enable=1 was taken for auto by the decision (compiling.decide tests `is True`)
+        raise ConfigError(f"compile.enable must be auto, true or false, got {cfg.compile.enable!r}"
+                          + (f": write compile.enable={str(bool(cfg.compile.enable)).lower()}"
+                             if cfg.compile.enable in (0, 1) else ""))
 
     # One rule for every number: NaN and inf pass the comparisons below (nan <= 0 is False) and then fail
     # deep in a run, or not at all (weight_decay=nan trained into NaN weights). No key takes inf.

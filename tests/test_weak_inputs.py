@@ -33,7 +33,10 @@ def lines(text: str) -> list[str]:
     ("data.global_batch_tokens=0", "data.global_batch_tokens must be >= 1"),
     ("logging.wandb.init_timeout=-1", "logging.wandb.init_timeout must be > 0"),  # trained, silently
     ("model.moe.bias_coef=1e308", "model.moe.bias_coef=1e+308 must be in (0, 1]"),  # trained into inf biases
-], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef"])
+    # issue 40: 1 == True but is not True, so compiling.decide took 1 and 0 for auto, silently
+    ("compile.enable=1", "compile.enable must be auto, true or false, got 1: write compile.enable=true"),
+    ("compile.enable=0", "compile.enable must be auto, true or false, got 0: write compile.enable=false"),
+], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef", "compile-1", "compile-0"])
 def test_a_value_out_of_range_is_one_config_error(override, start):
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=native_moe", override] if "moe" in override else [override]))
@@ -76,6 +79,22 @@ def test_compare_counts_each_run_once(tmp_path, capsys):
     rows = (tmp_path / "cmp" / "comparison.csv").read_text().splitlines()[1:]
     print(f"exit {status}: {len(rows)} rows: {rows}")
     assert status == 0 and len(rows) == 2 and "2 ok;" in capsys.readouterr().out
+
+
+def test_compare_writes_beside_the_runs_not_in_the_working_directory(tmp_path, capsys, monkeypatch):
+    """Issue 40: `compare RUN RUN` wrote ./comparison/ wherever it ran; the report goes beside the runs and says where."""
+    from qwen3_research import compare
+
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    a, b = _run_dir(tmp_path / "runs" / "a", 2.0), _run_dir(tmp_path / "runs" / "b", 3.0)
+    for run in (a, b):
+        (run / ".hydra").mkdir(exist_ok=True)  # run directories, not a sweep
+    assert compare.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "runs" / "comparison" / "comparison.md").is_file() and not list(cwd.iterdir())
+    assert f"report: {tmp_path / 'runs' / 'comparison' / 'comparison.md'}" in out, out
 
 
 # -- Ctrl-C in a tool -----------------------------------------------------------------------------------------------
