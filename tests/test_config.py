@@ -130,6 +130,8 @@ def test_help_lists_groups():
         assert f"{group}:" in proc.stdout or f"{group}/" in proc.stdout, group
     assert "native_moe" in proc.stdout and "embedded" in proc.stdout
     assert "Every key, its default and the module that reads it: docs/CONFIG.md" in proc.stdout
+    # Hydra's --info prints Hydra's own information, not one run's values (issue 40: the help said it did)
+    assert "--info defaults-tree" in proc.stdout and "with --info." not in proc.stdout
     # The per-group schemas are internal: they are not a group a user picks from.
     groups = proc.stdout.split("== Config ==")[0]
     assert "schema" not in groups, groups
