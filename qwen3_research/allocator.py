@@ -54,14 +54,23 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31 - 1), "MALLOC_TRIM_THRESHOLD_"
               "MALLOC_TOP_PAD_": str(64 << 20)}
 
 
+def refusal() -> str | None:
+    """Why ``QWEN3_CPU_ALLOCATOR`` is not a value a run accepts (one line), or None. The run's command, the doctor and
+    the planner all check it: a value the planner accepted was refused by the run it planned."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value in CHOICES:
+        return None
+    return (f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)} (auto: mimalloc on CPU runs; system: "
+            "glibc as it comes)")
+
+
 def choice() -> str:
     """``QWEN3_CPU_ALLOCATOR`` (default auto); a value outside CHOICES is a config error, one line, exit 2."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        print(f"config error: {ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)} (auto: mimalloc on CPU "
-              "runs; system: glibc as it comes)", file=sys.stderr, flush=True)
+    why = refusal()
+    if why is not None:
+        print(f"config error: {why}", file=sys.stderr, flush=True)
         sys.exit(2)
-    return value
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
 
 
 def mimalloc_library() -> str | None:

@@ -43,7 +43,7 @@ if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 1
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from qwen3_research import devices, overrides, tables, titan  # noqa: E402
+from qwen3_research import allocator, devices, overrides, tables, titan  # noqa: E402
 from qwen3_research.compose import CONF_DIR, compose  # noqa: E402
 from qwen3_research.config import to_run_config  # noqa: E402
 from qwen3_research.errors import ConfigError  # noqa: E402
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in args if a.startswith("-") and a != "--run"]
     if unknown:
         return _config_exit(f"doctor: unknown option {unknown[0]}; use --run or key=value overrides")
+    if (why := allocator.refusal()) is not None:
+        return _config_exit(f"config error: {why}")
     texts = [a for a in args if not a.startswith("-")]
     try:
         rows, ctx = collect(texts)

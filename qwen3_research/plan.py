@@ -57,6 +57,7 @@ from qwen3_research.startup import exit_at_once_while_importing, quiet_libraries
 if __name__ == "__main__":  # Ctrl-C / SIGTERM while the modules below import: 128+signal, one line
     exit_at_once_while_importing("; the plan was stopped; nothing was written")
 
+from qwen3_research import allocator  # noqa: E402
 from qwen3_research.compose import compose_resolved  # noqa: E402
 from qwen3_research.errors import ConfigError  # noqa: E402
 from qwen3_research.resolve import resolve_run  # noqa: E402
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    if (why := allocator.refusal()) is not None:
+        print(f"config error: {why}", file=sys.stderr, flush=True)
+        return 2
     unknown = [a for a in argv if a.startswith("-") and a not in PLAN_FLAGS]
     if unknown:  # else Hydra's override lexer failed on it (a 2-line "token recognition error")
         sweep = (" (a sweep: run it; it plans every point before any starts, sweep.plan=true)"

@@ -61,6 +61,18 @@ def test_an_unknown_option_is_one_config_error(capsys, module, argv, start):
     assert status == 2 and len(err) == 1 and err[0].startswith(start)
 
 
+@pytest.mark.parametrize("module", ["plan", "doctor"])
+def test_a_bad_allocator_is_refused_by_the_tools_as_by_a_run(capsys, monkeypatch, module):
+    """Issue 40: QWEN3_CPU_ALLOCATOR=bogus was accepted by doctor and plan, and refused by the run they checked."""
+    import importlib
+
+    monkeypatch.setenv("QWEN3_CPU_ALLOCATOR", "bogus")
+    status = importlib.import_module(f"qwen3_research.{module}").main([])
+    err = lines(capsys.readouterr().err)
+    assert status == 2 and err == ["config error: QWEN3_CPU_ALLOCATOR='bogus' is not one of auto, mimalloc, mallopt, "
+                                   "system (auto: mimalloc on CPU runs; system: glibc as it comes)"], err
+
+
 def _run_dir(path: Path, loss: float) -> Path:
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("- training.steps=1\n")
