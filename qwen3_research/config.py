@@ -650,6 +650,10 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {list(o.betas)}")
     _positive("optimizer.eps", o.eps)
     _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    if o.lr * o.weight_decay >= 1.0:  # trained into NaN, and the NaN policy then advised lowering optimizer.lr
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay:g} with optimizer.lr={o.lr:g}: AdamW multiplies every "
+                          f"decayed weight by 1 - lr x weight_decay = {1 - o.lr * o.weight_decay:.3g} each step, which "
+                          f"zeroes or flips them; use optimizer.weight_decay < 1/lr = {1 / o.lr:.3g} (typical 0.01 … 0.1)")
     _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
     _choice("optimizer.decay", o.decay, {"cosine", "linear", "constant"})
     if not 0.0 <= o.min_lr_ratio <= 1.0:

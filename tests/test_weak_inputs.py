@@ -36,7 +36,10 @@ def lines(text: str) -> list[str]:
     # issue 40: 1 == True but is not True, so compiling.decide took 1 and 0 for auto, silently
     ("compile.enable=1", "compile.enable must be auto, true or false, got 1: write compile.enable=true"),
     ("compile.enable=0", "compile.enable must be auto, true or false, got 0: write compile.enable=false"),
-], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef", "compile-1", "compile-0"])
+    # issue 40: trained into NaN weights, and the NaN policy's message advised lowering optimizer.lr
+    ("optimizer.weight_decay=1e308", "optimizer.weight_decay=1e+308 with optimizer.lr=0.003: AdamW multiplies every"),
+], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef", "compile-1", "compile-0",
+        "weight-decay"])
 def test_a_value_out_of_range_is_one_config_error(override, start):
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=native_moe", override] if "moe" in override else [override]))
