@@ -37,7 +37,7 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "precision": {"fp32": ["training.mixed_precision=none"], "bf16": ["training.mixed_precision=bf16"]},
     "loss": {"full": ["training.loss=full"], "chunked": ["training.loss=chunked"]},
     "kernels": {"none": [], "fast": ["kernels=fast", "kernels.force=true"], "reference": ["kernels=reference"]},
-    "masking": {"off": [], "on": ["data.document_masking=true"]},
+    "masking": {"off": ["data.document_masking=false"], "on": ["data.document_masking=true"]},
     "lifecycle": {  # resume: SIGKILL in step 2, then checkpoint.resume=auto; export: HF export at the end
         "plain": [],
         "resume": ["checkpoint.enable=true", "checkpoint.every=1"],
@@ -47,6 +47,15 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "grad_accum": {"1": [], "2": ["training.grad_accum=2"]},
     "compile": {"off": ["compile.enable=false"], "on": ["compile.enable=true"]},
     "attention": {"sdpa": [], "flex": ["model.attention=flex"]},
+    # issue 41: conversations (the default chitchat corpus, 64 of them, rendered with the run's tokenizer's chat
+    # template, the loss on the assistant's turns) packed one per document, or padded one per window; LoRA adapters
+    # (PEFT's, rank 16 on every attention and MLP projection) on a frozen base
+    "data": {
+        "text": [],
+        "chat": ["data=chat", "data.max_documents=64", "data.seq_len=128"],
+        "chat_padded": ["data=chat", "data.max_documents=64", "data.seq_len=128", "data.packing=false"],
+    },
+    "lora": {"off": [], "on": ["model.lora.enable=true"]},
 }
 
 # (condition, why): a combination is refused when, for every factor the condition names, its value is one of those
@@ -58,6 +67,12 @@ RULES: list[tuple[dict[str, set[str]], str]] = [
      "compile.enable=true with tp: per-block compile fails in the first backward for MoE and hf models"),
     ({"model": {"hf"}, "kernels": {"fast", "reference"}},
      "a kernel option that matches no module is refused (issue 40): model=hf has no CosSinRoPE/GroupedExperts"),
+    ({"data": {"chat"}, "masking": {"off"}},
+     "data.packing=true needs data.document_masking=true with data=chat: packed conversations would attend to each other"),
+    ({"lora": {"on"}, "layout": {"tp2", "tp2_nosp"}, "model": {"native", "native_moe"}},
+     "model.lora.enable=true with parallelism.tp=2 on torchtitan's models: the adapters have no TP plan there yet"),
+    ({"lora": {"on"}, "lifecycle": {"export"}, "model": {"native", "native_moe"}},
+     "LoRA's export is a PEFT adapter for the base's Hugging Face checkpoint: a seeded native base has none"),
 ]
 
 # Where the 2-step runs of this matrix spend their time, relative to a one-process fp32 eager run (measured on the
@@ -68,6 +83,7 @@ COST = {
     "precision": {"fp32": 1.0, "bf16": 1.5},
     "lifecycle": {"plain": 1.0, "resume": 2.0, "export": 1.4},
     "compile": {"off": 1.0, "on": 3.0},
+    "data": {"text": 1.0, "chat": 2.0, "chat_padded": 2.0},  # 4x the tokens per window (seq 128), and the rendering
 }
 # The factors this round's failures lived in (issue 40): the generator prefers cells that also cover their triples.
 TRIPLE_FACTORS = ("layout", "precision", "model", "lifecycle")

@@ -162,6 +162,14 @@ def compare_with_twin(cell: dict[str, str], rows: list[dict], twin_rows: list[di
     seen = f"{tolerance_class(cell)}: loss {d_loss:.1e} (tol {tol_loss:.0e}), grad norm {d_grad:.1e} (tol {tol_grad:.0e})"
     pairs = [(r["step"], r["loss"], t["loss"], r["grad_norm"], t["grad_norm"]) for r, t in zip(rows, twin_rows)]
     assert d_loss <= tol_loss and d_grad <= tol_grad, f"{seen}; (step, loss, twin, grad norm, twin): {pairs}"
+    if cell["grad_accum"] == "1":  # held-out loss on the same held-out batches (one micro-batch: the twin's batch
+        # is the cell's over its data-parallel ranks; with two, the twin's one eval batch holds twice the windows)
+        evals = [(r["step"], r["eval_loss"], t["eval_loss"]) for r, t in zip(rows, twin_rows) if "eval_loss" in r]
+        assert len(evals) == sum("eval_loss" in t for t in twin_rows), (rows, twin_rows)
+        if evals:
+            d_eval = max(abs(a - b) for _, a, b in evals)
+            assert d_eval <= tol_loss, f"held-out loss vs the twin's (step, cell, twin): {evals} > {tol_loss:.0e}"
+            seen += f", held-out loss {d_eval:.1e}"
     if cell["model"] != "native_moe":
         return seen
     moved_max = 0.0
