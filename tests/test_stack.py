@@ -90,7 +90,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "qwen3_research.kernels.*",
                     "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.optim",
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
-                    "qwen3_research.routing", "qwen3_research.token_stream",
+                    "qwen3_research.routing", "qwen3_research.token_stream", "qwen3_research.chat", "qwen3_research.chat_windows",
                     "qwen3_research.compiling"]),
     ("adapters", ["qwen3_research.titan", "qwen3_research.titan.*", "qwen3_research.devices", "qwen3_research.devices.*",
                   "qwen3_research.compose", "qwen3_research.slurm", "qwen3_research.signals", "qwen3_research.startup",
