@@ -111,7 +111,7 @@ def file_records(pattern: str):
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"data.files: {f} line {i + 1} is not JSON ({e.msg}, column {e.colno})") from None
-                yield f"{f} line {i + 1}", row
+                yield f"data.files {f} line {i + 1}", row
 
 
 def hf_records(h):
@@ -124,7 +124,7 @@ def hf_records(h):
     for i, row in enumerate(ds):
         if h.max_documents is not None and i >= h.max_documents:
             break
-        yield f"{h.name} row {i}", row
+        yield f"data.hf.name={h.name} row {i}", row
 
 
 def source_identity(cfg: DataConfig) -> dict:
@@ -164,8 +164,8 @@ def _messages(value, name: str, key: str) -> list:
         if not isinstance(m, dict) or "role" not in m:
             raise ConfigError(f"data=chat: {name}: {key}[{j}] is not a {{role, content}} message")
         if m["role"] not in ROLES:
-            raise ConfigError(f"data=chat: {name}: {key}[{j}] has the unknown role {m['role']!r}; the roles are "
-                              f"{', '.join(ROLES)}")
+            raise ConfigError(f"data=chat: {name}: {key}[{j}] has the unknown role {m['role']!r}; give it one of "
+                              f"the roles {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str) and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise ConfigError(f"data=chat: {name}: {key}[{j}] ({m['role']}) has no string content")
     return [dict(m) for m in value]

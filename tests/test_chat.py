@@ -258,3 +258,71 @@ def test_packed_equals_padded_per_conversation_under_fsdp2(tmp_path):
         print(f"\nfsdp rank {r['rank']}/{r['world']}: {r['conversations']} conversations, {r['packed_windows']} packed "
               f"/ {r['padded_windows']} padded windows, max |loss diff| {r['max_abs_diff']:.2e}")
         assert r["conversations"] >= 20 and r["packed_windows"] < r["padded_windows"] and r["max_abs_diff"] <= 1e-5
+
+
+# -- (i) bad input: one line naming the key and the fix, exit 2, before start, nothing written ----------------------
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _no_template_tokenizer(tmp: Path, qwen3_dir: Path) -> Path:
+    folder = tmp / "plain_tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((qwen3_dir / "tokenizer.json").read_bytes())
+    return folder
+
+
+OK_ROWS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4
+BAD_INPUTS = {
+    # case: (records, extra overrides, the words the line must hold)
+    "no assistant turn": ([*OK_ROWS, {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}],
+                          [], ["data.files", "line 5", "no assistant turn", "add the assistant's reply"]),
+    "unknown role": ([{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}], [],
+                     ["data.files", "line 1", "messages[1]", "'bot'", "system, user, assistant, tool"]),
+    "neither format": ([{"question": "q", "answer": "a"}], [],
+                       ["data.files", "line 1", "neither 'messages' nor 'prompt'/'completion'", "TRL's formats"]),
+    "no chat template": (OK_ROWS, ["TOKENIZER"], ["data.tokenizer", "no chat template", "chat model's tokenizer"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_chat_input_is_one_line_before_start(case, tmp_path, qwen3_dir, monkeypatch, capsys):
+    """The CLI's preflight in this process: exit 2, one stderr line naming the key and the fix; neither the run dir
+    nor the chat cache gets a file."""
+    from qwen3_research import __main__ as cli
+
+    monkeypatch.setenv("QWEN3_RESEARCH_CACHE", str(tmp_path / "cache"))
+    rows, extra, words = BAD_INPUTS[case]
+    data = _jsonl(tmp_path / "convs.jsonl", rows)
+    extra = [f"data.tokenizer={_no_template_tokenizer(tmp_path, qwen3_dir)}" if e == "TOKENIZER" else e for e in extra]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        cli.preflight(["data=chat", f"data.files={data}", "data.seq_len=64", *extra, f"hydra.run.dir={run}"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    print(f"\n{case}: exit {exit_.value.code}: {err}")
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("config error: data")
+    assert all(w in err[0] for w in words), words
+    assert not run.exists() and not any((tmp_path / "cache").rglob("*.npz"))
+
+
+def test_a_hf_dataset_streamed_renders_and_one_with_neither_format_is_refused(tmp_path, qwen3_dir, monkeypatch):
+    """data.hf.name: a local datasets folder of prompt/completion records, streamed, renders (loss on the
+    completion); a folder whose records have neither format is refused by name."""
+    from qwen3_research import chat
+    from qwen3_research.config import ConfigError, DataConfig, HFDatasetConfig
+
+    monkeypatch.setenv("QWEN3_RESEARCH_CACHE", str(tmp_path / "cache"))
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    _jsonl(good / "train.jsonl", [{"prompt": [{"role": "user", "content": f"say {i}"}],
+                                   "completion": [{"role": "assistant", "content": f"{i}"}]} for i in range(6)])
+    _jsonl(bad / "train.jsonl", [{"text": "plain"}])
+    cfg = DataConfig(source="chat", seq_len=64, loss_on="completion", hf=HFDatasetConfig(name=str(good), streaming=True))
+    out = chat.prepare(cfg, qwen3_dir / "tokenizer.json")
+    assert out["meta"]["conversations"] == 6 and all(m.any() and not m.all() for m in out["mask"])
+    with pytest.raises(ConfigError, match=r"data.hf.name=.* row 0 has neither 'messages' nor 'prompt'/'completion'"):
+        chat.prepare(DataConfig(source="chat", seq_len=64, hf=HFDatasetConfig(name=str(bad), streaming=True)),
+                     qwen3_dir / "tokenizer.json")
