@@ -4,10 +4,10 @@ Two Trainers of the same command, ``experiment=sft`` (the default chat corpus, c
 Qwen3 tokenizer's template, loss on the assistant's turns), one with ``data.packing=true`` (conversations packed
 one per document, best-fit decreasing) and one with ``data.packing=false`` (one conversation per window, padded),
 step in turns (``_common.alternate``). Each step's loss tokens are the step's own count (``Step.loss_tokens``);
-loss tokens/s = loss tokens / step time. The packing efficiency is real tokens / window tokens over all training
+loss tokens/s = a repeat's loss tokens / its seconds. The packing efficiency is real tokens / window tokens over all training
 windows of each setting (``ChatDataset.summary``).
 
-    python benchmarks/bench_chat_packing.py            # --quick (default): 3 repeats x 3 steps each
+    python benchmarks/bench_chat_packing.py            # --quick (default): 3 repeats x 4 steps each
     python benchmarks/bench_chat_packing.py --full     # 6 x 4
 """
 
@@ -28,7 +28,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-documents", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args(argv)
-    repeats, per = (6, 4) if args.full else (3, 3)
+    repeats, per = (6, 4) if args.full else (3, 4)
     C.header("bench_chat_packing", [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     common = ["experiment=sft", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch_size}",
               f"data.max_documents={args.max_documents}", "training.steps=1000"]
@@ -57,8 +57,10 @@ def main(argv=None) -> dict:
     rates = {}
     for name in trainers:
         toks = loss_tokens[name][args.warmup:]
-        per_step = [n / dt for n, dt in zip(toks, res[name]["steps"])]
-        rates[name] = [statistics.median(per_step[r * per:(r + 1) * per]) for r in range(repeats)]
+        steps = res[name]["steps"]
+        per_step = [n / dt for n, dt in zip(toks, steps)]
+        # per repeat: its loss tokens / its seconds (a step's loss tokens vary 2x with its windows' conversations)
+        rates[name] = [sum(toks[r * per:(r + 1) * per]) / sum(steps[r * per:(r + 1) * per]) for r in range(repeats)]
         lo, med, hi = C.mmm(res[name]["steps"])
         print(f"  {name:6s} step s min/median/max {lo:.3f} / {med:.3f} / {hi:.3f}; loss tokens/step median "
               f"{statistics.median(toks):.0f} ({100 * statistics.median(toks) / window:.1f} % of the window); "

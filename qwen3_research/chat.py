@@ -1,9 +1,8 @@
 """``data=chat``: conversations read, rendered with the run's own tokenizer's chat template, and loss-masked.
 
 Records come in TRL's two formats: ``messages`` (a list of ``{role, content}``) or ``prompt``/``completion`` (both
-strings, or both lists of messages). Sources: ``data.files`` (a glob of .jsonl files), ``data.hf.*`` (a datasets
-dataset, streaming too), or neither: the default corpus, ``chitchat-dataset`` (MIT; 7,168 two-person chats, the
-first sender the user, the second the assistant, one sender's consecutive texts joined with a newline).
+strings, or both lists of messages), read by ``chat_sources`` (JSONL files, a datasets dataset, or the default
+corpus, chitchat).
 
 Every conversation is rendered by transformers' ``apply_chat_template`` with the run's tokenizer (``tokenizer_config
 .json``'s ``chat_template`` beside its ``tokenizer.json``): no template is written here. The loss mask
@@ -28,7 +27,6 @@ refused by name, with the record.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import sys
@@ -37,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen3_research import token_stream
-from qwen3_research.config import ConfigError, DataConfig, data_files
+from qwen3_research import chat_sources
+from qwen3_research.config import ConfigError, DataConfig
 from qwen3_research.devices import cache_dir
 from qwen3_research.errors import write_failure
 
@@ -56,102 +54,6 @@ class Conversation:
     messages: list | None = None
     text: tuple[str, str] | None = None
     completion_at: int | None = None
-
-
-# -- sources ----------------------------------------------------------------------------------------
-
-
-def _package_file(dist: str, module: str, name: str) -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"data=chat: package {dist!r} is not installed (the default chat corpus); reinstall with "
-                          "README's install command, or give data.files / data.hf.name")
-    return Path(list(spec.submodule_search_locations)[0]) / name
-
-
-def chitchat_path() -> Path:
-    return _package_file("chitchat-dataset", "chitchat_dataset", "dataset.json")
-
-
-def chitchat_records(data: dict | None = None):
-    """The chitchat corpus (``data``: its dataset.json, already read) as ``messages`` records: first sender user,
-    second assistant; one sender's texts in a row joined by a newline. A chat with one sender has no reply to learn
-    (3,150 of the 7,168): the caller skips and counts it."""
-    data = data if data is not None else json.loads(chitchat_path().read_text(encoding="utf-8"))
-    for cid, chat in data.items():
-        runs = chat.get("messages") or []
-        senders = []
-        messages = []
-        for run in runs:
-            if not run:
-                continue
-            sender = run[0]["sender"]
-            if sender not in senders:
-                senders.append(sender)
-            role = "user" if sender == senders[0] else "assistant"
-            text = "\n".join(u["text"] for u in run)
-            if messages and messages[-1]["role"] == role:
-                messages[-1]["content"] += "\n" + text
-            else:
-                messages.append({"role": role, "content": text})
-        yield f"chitchat:{cid}", {"messages": messages}
-
-
-def file_records(pattern: str):
-    for f in data_files(pattern):
-        if not f.endswith(".jsonl"):
-            raise ConfigError(f"data.files: {f} is not a .jsonl file; data=chat reads JSON lines, one conversation each")
-        with open(f, encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"data.files: {f} line {i + 1} is not JSON ({e.msg}, column {e.colno})") from None
-                yield f"data.files {f} line {i + 1}", row
-
-
-def hf_records(h):
-    import datasets  # deferred: start-up (datasets loads pyarrow; only data=chat with data.hf.name reads it)
-
-    try:
-        ds = datasets.load_dataset(h.name, h.config_name, split=h.split, streaming=h.streaming)
-    except Exception as e:  # datasets raises many types; the message is what matters
-        raise ConfigError(f"data.hf.name={h.name!r}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    for i, row in enumerate(ds):
-        if h.max_documents is not None and i >= h.max_documents:
-            break
-        yield f"data.hf.name={h.name} row {i}", row
-
-
-def source_identity(cfg: DataConfig) -> dict:
-    """What fixes the records, known without reading them (files by size and mtime, as token_stream's key)."""
-    if cfg.files:
-        return {"files": [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in data_files(cfg.files)]}
-    if cfg.hf.name:
-        h = cfg.hf
-        return {"hf": [h.name, h.config_name, h.split, h.max_documents, token_stream._local_files(h.name)]}
-    p = chitchat_path() if _has_chitchat() else None
-    return {"chitchat": [importlib.metadata.version("chitchat-dataset"), p.stat().st_size if p else None]}
-
-
-def _has_chitchat() -> bool:
-    try:
-        return chitchat_path().is_file()
-    except ConfigError:
-        return False
-
-
-def records(cfg: DataConfig):
-    """(name, record) of the configured chat source, in order."""
-    if cfg.files:
-        return file_records(cfg.files)
-    if cfg.hf.name:
-        return hf_records(cfg.hf)
-    return chitchat_records()
 
 
 # -- records to conversations ------------------------------------------------------------------------
@@ -381,7 +283,7 @@ def cache_key(cfg: DataConfig, tokenizer_json: Path) -> str:
     files = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in
              ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
              if (folder / n).is_file()}
-    fields = {"tokenizer": files, "source": source_identity(cfg), "loss_on": cfg.loss_on, "overlong": cfg.overlong,
+    fields = {"tokenizer": files, "source": chat_sources.source_identity(cfg), "loss_on": cfg.loss_on, "overlong": cfg.overlong,
               "seq_len": cfg.seq_len, "max_documents": cfg.max_documents, "format": FORMAT}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -424,7 +326,7 @@ def build(cfg: DataConfig, tokenizer_json: Path) -> dict:
         chunk.clear()
 
     default = not cfg.files and not cfg.hf.name
-    for name, row in records(cfg):
+    for name, row in chat_sources.records(cfg):
         if cfg.max_documents is not None and meta["records"] >= cfg.max_documents:
             break
         if default and sum(m["role"] == "assistant" for m in row["messages"]) == 0:
@@ -438,7 +340,7 @@ def build(cfg: DataConfig, tokenizer_json: Path) -> dict:
             flush()
     flush()
     if meta["records"] == 0:
-        raise ConfigError(f"data=chat: the source ({_describe(cfg)}) holds no conversation")
+        raise ConfigError(f"data=chat: the source ({chat_sources.describe(cfg)}) holds no conversation")
     if not ids:
         raise ConfigError(f"data=chat: all {meta['records']} conversations are longer than data.seq_len+1="
                           f"{limit} tokens (data.overlong={cfg.overlong}); raise data.seq_len")
@@ -446,10 +348,6 @@ def build(cfg: DataConfig, tokenizer_json: Path) -> dict:
     meta["tokens"] = int(sum(len(a) for a in ids))
     meta["loss_tokens"] = int(sum(int(m.sum()) for m in masks))
     return {"names": names, "ids": ids, "mask": masks, "meta": meta}
-
-
-def _describe(cfg: DataConfig) -> str:
-    return f"data.files={cfg.files!r}" if cfg.files else f"data.hf.name={cfg.hf.name!r}" if cfg.hf.name else "chitchat"
 
 
 def _save(path: Path, out: dict) -> None:

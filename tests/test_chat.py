@@ -64,11 +64,11 @@ def oracle_conversations(n: int) -> list[list[dict]]:
     """``n`` multi-turn chitchat conversations (the default corpus, as data=chat reads it); every third (that has
     one) with the chat's own prompt as a system message, every fifth with its previous user message as the thinking block of
     its first assistant turn (the template strips it unless that turn is the last) and of its last one."""
-    from qwen3_research import chat
+    from qwen3_research import chat_sources
 
-    raw = json.loads(chat.chitchat_path().read_text(encoding="utf-8"))
+    raw = json.loads(chat_sources.chitchat_path().read_text(encoding="utf-8"))
     out = []
-    for name, row in chat.chitchat_records(raw):
+    for name, row in chat_sources.chitchat_records(raw):
         msgs = row["messages"]
         if sum(m["role"] == "assistant" for m in msgs) < 2:
             continue
