@@ -3,8 +3,8 @@
 Two Trainers of the same command, ``experiment=sft`` (the default chat corpus, chitchat, rendered with the shipped
 Qwen3 tokenizer's template, loss on the assistant's turns), one with ``data.packing=true`` (conversations packed
 one per document, best-fit decreasing) and one with ``data.packing=false`` (one conversation per window, padded),
-step in turns (``_common.alternate``). Each step's loss tokens are the step's own count (``Step.loss_tokens``);
-loss tokens/s = a repeat's loss tokens / its seconds. The packing efficiency is real tokens / window tokens over all training
+step in turns. Each step's loss tokens are the step's own count (``Step.loss_tokens``); loss tokens/s = a repeat's
+loss tokens / its seconds, by this process's CPU time (the figure to quote on a shared machine) and by wall time. The packing efficiency is real tokens / window tokens over all training
 windows of each setting (``ChatDataset.summary``).
 
     python benchmarks/bench_chat_packing.py            # --quick (default): 3 repeats x 4 steps each
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import _common as C
 
@@ -52,21 +53,34 @@ def main(argv=None) -> dict:
         print(f"  {name}: {s['train_conversations']} conversations in {s['train_windows']} windows, packing "
               f"efficiency {s['packing_efficiency']:.3f} (real tokens / window tokens); {s['truncated']} cut, "
               f"{s['dropped']} dropped of {s['records']}")
+    # Both clocks per step, the settings taking turns (who goes first alternates): wall time, and this process's CPU
+    # time, which a shared machine's other load disturbs far less (the two settings do the same window compute).
+    names = list(trainers)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     with C.quiet_stdout():
-        res = C.alternate({name: stepper(name) for name in trainers}, warmup=args.warmup, repeats=repeats, per=per)
+        for i in range(args.warmup + repeats * per):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                w0, c0 = time.perf_counter(), time.process_time()
+                stepper(name)(i)
+                if i >= args.warmup:
+                    wall[name].append(time.perf_counter() - w0)
+                    cpu[name].append(time.process_time() - c0)
     rates = {}
-    for name in trainers:
+    for name in names:
         toks = loss_tokens[name][args.warmup:]
-        steps = res[name]["steps"]
-        per_step = [n / dt for n, dt in zip(toks, steps)]
-        # per repeat: its loss tokens / its seconds (a step's loss tokens vary 2x with its windows' conversations)
-        rates[name] = [sum(toks[r * per:(r + 1) * per]) / sum(steps[r * per:(r + 1) * per]) for r in range(repeats)]
-        lo, med, hi = C.mmm(res[name]["steps"])
-        print(f"  {name:6s} step s min/median/max {lo:.3f} / {med:.3f} / {hi:.3f}; loss tokens/step median "
-              f"{statistics.median(toks):.0f} ({100 * statistics.median(toks) / window:.1f} % of the window); "
-              f"loss tokens/s median {statistics.median(per_step):.0f}")
-    ratios = [a / b for a, b in zip(rates["packed"], rates["padded"])]
-    print(f"  LOSS TOKENS/S packed/padded per repeat min/median/max: {C.fmt_mmm(ratios, '{:.2f}')}")
+        rates[name] = {}
+        for clock, secs in (("cpu", cpu[name]), ("wall", wall[name])):
+            # per repeat: its loss tokens / its seconds (a step's loss tokens vary 2x with its windows' conversations)
+            rates[name][clock] = [sum(toks[r * per:(r + 1) * per]) / sum(secs[r * per:(r + 1) * per])
+                                  for r in range(repeats)]
+        print(f"  {name:6s} step s wall min/median/max {C.fmt_mmm(wall[name])}, cpu {C.fmt_mmm(cpu[name])}; loss "
+              f"tokens/step median {statistics.median(toks):.0f} ({100 * statistics.median(toks) / window:.1f} % of the "
+              f"window), mean {statistics.mean(toks):.1f}")
+    for clock in ("cpu", "wall"):
+        r = [a / b for a, b in zip(rates["packed"][clock], rates["padded"][clock])]
+        print(f"  LOSS TOKENS/S packed/padded per repeat ({clock} time) min/median/max: {C.fmt_mmm(r, '{:.2f}')}")
+    ratios = [a / b for a, b in zip(rates["packed"]["cpu"], rates["padded"]["cpu"])]
     print(f"  PACKING EFFICIENCY packed {summaries['packed']['packing_efficiency']:.3f}, padded "
           f"{summaries['padded']['packing_efficiency']:.3f}")
     for t in trainers.values():
