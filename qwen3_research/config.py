@@ -241,7 +241,8 @@ class DataConfig:
     """The corpus, tokenizer and batches (qwen3_research.data, token_stream.py)."""
 
     source: str = "embedded"
-    """embedded (Shakespeare, shipped as a package) | hf | files (data.py)."""
+    """embedded (Shakespeare, shipped as a package) | hf | files (data.py) | chat (conversations rendered with the
+    tokenizer's chat template: chat.py, chat_windows.py; docs/CHAT_DATA.md)."""
     tokenizer: str = "qwen3"
     """"qwen3" (the packaged official tokenizer, sha256 checked) or a path / HF directory with tokenizer.json
     (data.py)."""
@@ -256,16 +257,27 @@ class DataConfig:
     """Fraction of documents held out for evaluation, chosen by a hash of their name (data.py)."""
     max_documents: Optional[int] = None
     """Read at most this many documents, for quick experiments; None: every one (data.py)."""
-    files: Optional[str] = field(default=None, metadata=read_by("data.source", "files"))
-    """source=files: a glob of regular .txt / .jsonl files (config.data_files, data.py)."""
+    files: Optional[str] = field(default=None, metadata=read_by("data.source", "files", "chat"))
+    """source=files: a glob of regular .txt / .jsonl files (config.data_files, data.py); source=chat: a glob of .jsonl
+    files of conversations (chat.py)."""
     text_field: str = field(default="text", metadata=read_by("data.source", "files"))
     """source=files, .jsonl: the field holding the text, a string in every record (data.py)."""
     document_masking: bool = False
     """Attention and RoPE positions restart at every document boundary inside a packed window; the end-of-text
     token does not predict the next document's first token (its label is ignored). data.py builds the document
     ids; the model backends and titan/ mask attention."""
-    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig, metadata=read_by("data.source", "hf"))
-    """data=hf: the dataset to read (data.hf.*)."""
+    hf: HFDatasetConfig = field(default_factory=HFDatasetConfig, metadata=read_by("data.source", "hf", "chat"))
+    """data=hf: the dataset to read (data.hf.*); data=chat: a dataset of conversations (text_field unused)."""
+    loss_on: str = field(default="assistant", metadata=read_by("data.source", "chat"))
+    """data=chat: assistant | completion | all. assistant: each assistant turn as the template renders it and its
+    end-of-turn token (Qwen3: <|im_end|>; not the newline after it); completion: every token after the prompt of
+    prompt/completion records (TRL's completion_only_loss); all: every token (chat.py)."""
+    packing: bool = field(default=True, metadata=read_by("data.source", "chat"))
+    """data=chat: pack conversations into data.seq_len windows, one conversation per document (needs
+    data.document_masking=true); false: one conversation per window, padded (chat_windows.py)."""
+    overlong: str = field(default="truncate_turns", metadata=read_by("data.source", "chat"))
+    """data=chat: a conversation longer than data.seq_len + 1 tokens: truncate_turns (cut its oldest turns, keeping
+    the system prompt) | drop; both counted in summary.json's data section (chat.py)."""
 
 
 @dataclass
@@ -660,7 +672,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
 
     d = cfg.data
-    _choice("data.source", d.source, {"embedded", "hf", "files"})
+    _choice("data.source", d.source, {"embedded", "hf", "files", "chat"})
     if d.seq_len < 1:
         raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
     if d.batch_size < 1:
@@ -679,6 +691,16 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         data_files(d.files)
     if d.source == "hf" and not d.hf.name:
         raise ConfigError("data.hf.name is required with data=hf: a datasets Hub id or local path")
+    if d.source == "chat":
+        _choice("data.loss_on", d.loss_on, {"assistant", "completion", "all"})
+        _choice("data.overlong", d.overlong, {"drop", "truncate_turns"})
+        if d.files and d.hf.name:
+            raise ConfigError("data=chat reads data.files or data.hf.name, not both; drop one")
+        if d.files:
+            data_files(d.files)
+        if d.packing and not d.document_masking:
+            raise ConfigError("data.packing=true needs data.document_masking=true with data=chat: packed conversations "
+                              "would attend to each other; set data.document_masking=true, or data.packing=false")
 
     # device.type: its registered kinds are checked in resolve.check_device_settings (the devices package)
     ck = cfg.checkpoint

@@ -263,6 +263,8 @@ class PackedDataset:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
         self.cfg = cfg
         self.eos_id = tokenizer.eos_id
+        if cfg.source == "chat":  # its windows are chat_windows.ChatDataset's (a layer this module does not import)
+            raise ConfigError("data=chat: conversations are read by chat_windows.ChatDataset, not PackedDataset")
         if cfg.source == "hf":
             self._stream(cfg, tokenizer)
         else:
@@ -367,7 +369,7 @@ class PackedDataset:
 # What fixes the order of training samples, which exact resume relies on (data.train_batch).
 
 LAYOUT_FIELDS = ("seq_len", "global_batch_seqs", "source", "tokenizer_sha256", "files", "text_field", "hf",
-                 "val_fraction", "max_documents", "seed", "train_samples", "tokens")
+                 "val_fraction", "max_documents", "seed", "train_samples", "tokens", "chat")
 
 
 def data_layout(rc, dp: int, batch_size: int, tokenizer_sha256: str | None = None, dataset=None) -> dict:
@@ -375,11 +377,14 @@ def data_layout(rc, dp: int, batch_size: int, tokenizer_sha256: str | None = Non
     d = rc.data
     out = {
         "seq_len": d.seq_len, "global_batch_seqs": batch_size * dp * rc.training.grad_accum, "source": d.source,
-        "files": d.files if d.source == "files" else None, "text_field": d.text_field if d.source == "files" else None,
+        "files": d.files if d.source in ("files", "chat") else None,
+        "text_field": d.text_field if d.source == "files" else None,
         "hf": ({k: getattr(d.hf, k) for k in ("name", "config_name", "split", "text_field", "max_documents")}
-               if d.source == "hf" else None),
+               if d.source in ("hf", "chat") and d.hf.name else None),
         "val_fraction": d.val_fraction, "max_documents": d.max_documents, "seed": rc.training.seed,
     }
+    if d.source == "chat":  # what else fixes the windows of conversations
+        out["chat"] = {"loss_on": d.loss_on, "packing": d.packing, "overlong": d.overlong}
     if tokenizer_sha256:
         out["tokenizer_sha256"] = tokenizer_sha256
     if dataset is not None:

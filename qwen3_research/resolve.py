@@ -333,6 +333,10 @@ def resolve_before_hydra(cfg: DictConfig, run_dir: str | None) -> ResolvedRun:
         from qwen3_research.data import Tokenizer, tokenizer_path  # deferred: start-up (data loads torch)
 
         Tokenizer(tokenizer_path(spec))
+    if run.rc.data.source == "chat":  # every record rendered (and cached) now: a bad one is refused before any worker
+        from qwen3_research import chat_windows  # deferred: start-up (torch; transformers renders the template)
+
+        chat_windows.prepare(run.rc.data, spec)
     if run_dir is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
         return run  # under torchrun, rank 0 checks (and later locks) the run dir it shares with the others
     run = at_run_dir(run, run_dir, owner=True)

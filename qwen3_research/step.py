@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from qwen3_research import compiling, lora, models, parallel, startup, titan
 from qwen3_research import devices
-from qwen3_research.data import PackedDataset, Tokenizer, data_layout, tokenizer_path
+from qwen3_research.chat_windows import ChatDataset
+from qwen3_research.data import IGNORE_INDEX, PackedDataset, Tokenizer, data_layout, tokenizer_path
 from qwen3_research.errors import ConfigError, TrainingError
 from qwen3_research.kernels import apply_overrides
 from qwen3_research.loss import lm_loss
@@ -110,6 +111,7 @@ class Step:
     scheduler: object
     state: TrainState  # what a checkpoint holds
     state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
+    loss_tokens: int | None = None  # label tokens in the loss in the last step, over every data-parallel rank
 
     @property
     def cfg(self):
@@ -129,19 +131,22 @@ class Step:
         loss, backward; then clip the gradients, apply the update (unless training.nan_policy skips it), advance
         the schedule. Returns (loss averaged over the data-parallel ranks, gradient norm); in a trace (fake
         tensors: no value to read, reduce or check) None, the update applied."""
-        total = None if self.where.trace else torch.zeros((), device=self.torch_device)
+        total = None if self.where.trace else torch.zeros(2, device=self.torch_device)  # loss, tokens in the loss
         for batch in self.micro_batches(self.state.step):
             if total is None:
                 self.forward_backward(batch)
             else:
-                total += self.forward_backward(batch)
+                total[0] += self.forward_backward(batch)
+                total[1] += int((batch.labels != IGNORE_INDEX).sum())
         grad_norm = self.clip_gradients()
         if total is None:
             del grad_norm  # a 0-dim tensor a trace has never held through the update (the plan's bytes unchanged)
             self.optimizer_step()
             self.state.step += 1
             return None
-        loss_value, grad_value = float(self.all_reduce_mean(total)), float(grad_norm)
+        total = self.all_reduce_mean(total)  # one collective for both: the loss's mean, the tokens' mean x dp
+        loss_value, grad_value = float(total[0]), float(grad_norm)
+        self.loss_tokens = int(round(float(total[1]) * self.dp_size))
         if not self.skips_update(loss_value, grad_value):
             self.optimizer_step()
         self.state.step += 1
@@ -249,7 +254,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
 
     # Data.
     tokenizer = Tokenizer(tokenizer_path(models.tokenizer_spec(cfg)))
-    data = PackedDataset(cfg.data, tokenizer)
+    data = (ChatDataset if cfg.data.source == "chat" else PackedDataset)(cfg.data, tokenizer)
     eval_every = check_data_fits(cfg, data, dp_size, is_main=is_main)
     layout = data_layout(cfg, dp_size, cfg.data.batch_size, tokenizer.sha256, data)
 

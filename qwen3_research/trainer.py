@@ -241,6 +241,8 @@ class Trainer:
             "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
             "compile": self._compile_line(), **self._compile_fields(progress.compile_start),
         }
+        if hasattr(self.step.data, "summary"):  # data=chat: conversations rendered, truncated, dropped; packing
+            summary["data"] = self.step.data.summary()
         if progress.peak_live_bytes:
             summary["peak_live_bytes_per_rank"] = progress.peak_live_bytes
             # bytes by plan category at each rank's peak, and each category's largest over the step
@@ -275,6 +277,8 @@ class Trainer:
             "step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_s": tps, "mfu": mfu(step.backend.flops_per_token, tps, peak, world_size),
             "step_time_s": dt, "tokens": state.step * tokens_per_step,
+            # the labels in the loss (data=chat: the assistant's tokens) and their share of the step's windows
+            "loss_tokens": step.loss_tokens, "loss_token_share": step.loss_tokens / tokens_per_step,
             "mem_current_gib": rows[0]["current_gib"], "mem_peak_gib": max(r["peak_gib"] for r in rows),
             "mem_peak_pct": max(r["peak_pct"] for r in rows), "mem_per_rank": rows,
         }

@@ -19,10 +19,10 @@ MOE_FLAVORS = "model.flavor=tiny_moe|debug_moe|nki_debug|30B-A3B|235B-A22B"
 
 CASES = {  # overrides -> the one line (after "config error: ")
     "data-files-without-data-files": (["data.files=/data/*.txt"],
-        "data.files='/data/*.txt' is read only by data=files (data.source=files); this run's data.source=embedded "
+        "data.files='/data/*.txt' is read only by data=files|data=chat (data.source=files|chat); this run's data.source=embedded "
         "ignores it: add data=files, or drop data.files"),
     "data-hf-name-with-data-files": (["data=files", f"data.files={Path(__file__).resolve()}", "data.hf.name=wikitext"],
-        "data.hf.name='wikitext' is read only by data=hf (data.source=hf); this run's data.source=files ignores it: "
+        "data.hf.name='wikitext' is read only by data=hf|data=chat (data.source=hf|chat); this run's data.source=files ignores it: "
         "add data=hf, or drop data.hf.name"),
     "model-path-with-native": (["model=native", "model.path=/models/Qwen3-0.6B"],
         "model.path='/models/Qwen3-0.6B' is read only by model=hf; this run's model=native ignores it: use model=hf, "

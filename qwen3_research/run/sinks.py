@@ -61,7 +61,8 @@ def _fmt(v: Any) -> str:
 class ConsoleSink(MetricSink):
     """One line per logged step; a progress bar on top when stdout is a terminal."""
 
-    KEYS = ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_peak_gib", "step_time_s", "moe_max_load")
+    KEYS = ("loss", "aux_loss", "grad_norm", "lr", "loss_tokens", "loss_token_share", "tokens_per_s", "mfu",
+            "mem_peak_gib", "step_time_s", "moe_max_load")
 
     def __init__(self, total_steps: int, progress_bar: bool, print_config: bool):
         self.total = total_steps
