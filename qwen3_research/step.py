@@ -129,24 +129,35 @@ class Step:
     def __call__(self) -> tuple[float, float] | None:
         """Optimizer step ``state.step + 1``; afterwards ``state.step`` counts it. Per micro-batch: forward, the
         loss, backward; then clip the gradients, apply the update (unless training.nan_policy skips it), advance
-        the schedule. Returns (loss averaged over the data-parallel ranks, gradient norm); in a trace (fake
-        tensors: no value to read, reduce or check) None, the update applied."""
-        total = None if self.where.trace else torch.zeros(2, device=self.torch_device)  # loss, tokens in the loss
-        for batch in self.micro_batches(self.state.step):
-            if total is None:
-                self.forward_backward(batch)
-            else:
-                total[0] += self.forward_backward(batch)
-                total[1] += int((batch.labels != IGNORE_INDEX).sum())
-        grad_norm = self.clip_gradients()
-        if total is None:
-            del grad_norm  # a 0-dim tensor a trace has never held through the update (the plan's bytes unchanged)
+        the schedule. Returns (the loss: the mean over every label token of the global batch, gradient norm); in a
+        trace (fake tensors: no value to read, reduce or check) None, the update applied.
+
+        The gradient is that of the global batch's token mean, however its tokens fall into micro-batches and
+        ranks: each micro-batch's mean loss is weighted by its share of the step's label tokens (one scalar
+        all-reduce counts them first). A mean of per-micro-batch means weighted short micro-batches up: with chat
+        data, where the tokens in the loss vary from window to window, a run with training.grad_accum=2 or two
+        data-parallel ranks trained on another gradient than one process on the same batch (torchtitan's trainer
+        and transformers' num_items_in_batch normalise the same way)."""
+        batches = list(self.micro_batches(self.state.step))
+        if self.where.trace:
+            for batch in batches:
+                self.forward_backward(batch, None)
+            del batches
+            self.clip_gradients()  # a 0-dim tensor a trace never holds through the update (the plan's bytes unchanged)
             self.optimizer_step()
             self.state.step += 1
             return None
-        total = self.all_reduce_mean(total)  # one collective for both: the loss's mean, the tokens' mean x dp
-        loss_value, grad_value = float(total[0]), float(grad_norm)
-        self.loss_tokens = int(round(float(total[1]) * self.dp_size))
+        counts = [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
+        n_step = int(self.all_reduce_sum(torch.tensor([float(sum(counts))], device=self.torch_device))[0])
+        total = torch.zeros(2, device=self.torch_device)  # the label tokens' summed loss, their count
+        for batch, n in zip(batches, counts):
+            total[0] += self.forward_backward(batch, (n, n_step))
+            total[1] += n
+        grad_norm = self.clip_gradients()
+        total = self.all_reduce_sum(total)  # one collective for both
+        loss_value = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        grad_value = float(grad_norm)
+        self.loss_tokens = int(round(float(total[1])))
         if not self.skips_update(loss_value, grad_value):
             self.optimizer_step()
         self.state.step += 1
@@ -172,18 +183,31 @@ class Step:
             return self.cross_entropy(logits, labels)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
-    def forward_backward(self, batch) -> torch.Tensor:
-        """One micro-batch of the step being trained: forward, the configured loss ÷ training.grad_accum, backward.
-        Returns that loss, detached (not reduced over ranks)."""
+    def forward_backward(self, batch, tokens: tuple[int, int] | None) -> torch.Tensor:
+        """One micro-batch of the step being trained: forward, the configured loss, backward. ``tokens``: (this
+        micro-batch's label tokens, the step's over every micro-batch and data-parallel rank): its mean loss counts
+        by its share of them (``__call__``); None (a trace): 1 / training.grad_accum. Returns the micro-batch's
+        summed token loss, detached (not reduced over ranks)."""
         t = self.cfg.training
         inputs = batch.inputs.to(self.torch_device)
         labels = batch.labels.to(self.torch_device)
         positions = None if batch.positions is None else batch.positions.to(self.torch_device)
-        loss = self.loss(inputs, labels, positions) / t.grad_accum
+        mean = self.loss(inputs, labels, positions)
+        if tokens is None:
+            share, n = 1.0 / t.grad_accum, 1
+        else:
+            n, n_step = tokens
+            share = n / n_step if n_step else 0.0
+        # The gradients are summed over the data-parallel ranks where the model is sharded (loss_scale = 1/dp), and
+        # each rank's share is already of the whole step: dp x loss_scale undoes the 1/dp. A micro-batch with no
+        # label token has a NaN mean (0/0): it contributes nothing, and its backward still runs (FSDP's collectives).
+        objective = (mean * share if n else mean.nan_to_num(0.0) * 0.0) * (self.dp_size * self.loss_scale)
         # balance=aux_loss: coef × the routers' auxiliary loss joins the gradient, not the reported LM loss
         aux = self.routing.aux_term() if self.routing is not None else None
-        ((loss if aux is None else loss + aux / t.grad_accum) * self.loss_scale).backward()
-        return loss.detach()
+        if aux is not None:
+            objective = objective + aux / t.grad_accum * self.loss_scale
+        objective.backward()
+        return (mean.detach() * n) if n else torch.zeros((), device=mean.device)
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the gradients to optimizer.grad_clip (0: no clipping); their total norm before clipping."""
@@ -215,31 +239,36 @@ class Step:
         self.state.skipped_steps.append(step)
         return True
 
-    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
             group = self.where.parallel_dims.get_mesh("batch").get_group()
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM, group=group)
-            value = value / self.dp_size
         return value
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over training.eval_batches held-out batches, averaged over the data-parallel ranks."""
+        """The mean loss over the label tokens of training.eval_batches held-out batches on every data-parallel rank."""
         t = self.cfg.training
         batches = self.data.val_batches(t.eval_batches, self.dp_rank, self.dp_size)
         if not batches:
             return float("nan")
         model = self.backend.model
         model.eval()
-        total = torch.zeros((), device=self.torch_device)
+        total = torch.zeros(2, device=self.torch_device)  # the label tokens' summed loss, their count
         try:
             for b in batches:
                 positions = None if b.positions is None else b.positions.to(self.torch_device)
-                total += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions)
+                n = int((b.labels != IGNORE_INDEX).sum())
+                if n:
+                    total[0] += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions) * n
+                    total[1] += n
+                else:  # nothing to score; the forward still runs (FSDP's collectives), its 0/0 mean is dropped
+                    self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions)
         finally:
             model.train()
             parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
-        return float(self.all_reduce_mean(total / len(batches)))
+        total = self.all_reduce_sum(total)  # the mean over every held-out label token, as the training loss
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
 def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> Step:
