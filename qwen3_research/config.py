@@ -70,6 +70,30 @@ class MoEConfig:
     """Log tokens per expert, load ratio, routing entropy, ... in every logged step (routing.py)."""
 
 
+# The attention and MLP projections, in Hugging Face's module names: AWS's Trainium LoRA tutorial's targets.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through PEFT on a frozen base (qwen3_research/lora.py): only the adapters train and are
+    checkpointed; the checkpoint names the base it needs."""
+
+    enable: bool = False
+    """Train LoRA adapters (PEFT's LoRA Linear) on the target projections; every base weight is frozen (no
+    gradient, no optimizer state, not in the checkpoint). Read by lora.py, step.py and run/checkpoint.py."""
+    rank: int = 16
+    """The adapters' rank r (> 0): lora_A is r x in, lora_B out x r (lora.py)."""
+    alpha: float = 32.0
+    """The scale numerator: the adapter's output is multiplied by alpha / rank, as PEFT's lora_alpha (lora.py)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout); 0 keeps the run deterministic (lora.py)."""
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """The projections that get an adapter, in Hugging Face's names (q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj) on both backends; model=native maps them to torchtitan's modules (lora.py). MoE experts
+    are never targeted: on a MoE layer the MLP names match nothing."""
+
+
 @dataclass
 class ModelConfig:
     """The model: which backend builds it (qwen3_research.models.registry) and which architecture."""
@@ -95,6 +119,8 @@ class ModelConfig:
     torchtitan adapter (titan/)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts routing settings (model.moe.*), used by MoE flavors only."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on a frozen base (model.lora.*; qwen3_research/lora.py)."""
 
 
 # CPU ranks per core a run may start without parallelism.oversubscribe=true. Each rank is a whole process (its own
@@ -578,6 +604,19 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     if moe.bias_coef > 1.0:
         raise ConfigError(f"model.moe.bias_coef={moe.bias_coef:g} must be in (0, 1]: it is the expert-bias step per "
                           "optimizer step, added to router scores in [0, 1] (default 1e-3)")
+
+    lora = cfg.model.lora
+    if lora.enable:
+        if lora.rank < 1:
+            raise ConfigError(f"model.lora.rank must be >= 1 (the adapters' rank; e.g. 16), got {lora.rank}")
+        _positive("model.lora.alpha", lora.alpha)
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+        unknown = [t for t in lora.target_modules if t not in LORA_DEFAULT_TARGETS]
+        if unknown or not lora.target_modules:
+            raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {unknown or 'empty'} match no "
+                              f"module; the targets are Hugging Face projection names, a subset of "
+                              f"[{','.join(LORA_DEFAULT_TARGETS)}]")
 
     p = cfg.parallelism
     if p.nproc_per_node == 0 or p.nproc_per_node < -1:

@@ -56,7 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qwen3_research import compiling
 from qwen3_research import devices
-from qwen3_research import models, slurm
+from qwen3_research import lora, models, slurm
 from qwen3_research.compose import CONF_DIR
 from qwen3_research.config import (CPU_RANKS_PER_CORE, RunConfig, keys_read_by, resolve_batch_size, to_run_config,
                                    validate)
@@ -258,6 +258,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     rc = dataclasses.replace(rc, compile=dataclasses.replace(rc.compile, enable=decision.enable))
     if prepare is not None:
         prepare(kind, lnc, degrees.world_size)
+    lora.check_run(rc, degrees, spec)  # what LoRA adapters cannot run with (one line, before any worker)
     if not elsewhere:
         models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qwen3_research import compiling, models, parallel, startup, titan
+from qwen3_research import compiling, lora, models, parallel, startup, titan
 from qwen3_research import devices
 from qwen3_research.data import PackedDataset, Tokenizer, data_layout, tokenizer_path
 from qwen3_research.errors import ConfigError, TrainingError
@@ -265,6 +265,12 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         cfg.model, where.device.torch_device, seq_len=cfg.data.seq_len, seed=cfg.training.seed,
         tt_parallelism=tt.parallelism, tokenizer=tokenizer, load_init_from=not where.trace,
     )
+    adapters = lora.apply_lora(backend, cfg.model.lora) if cfg.model.lora.enable else None
+    if adapters is not None and is_main and not where.trace:
+        print(f"lora: rank {cfg.model.lora.rank} on {adapters['modules']} modules ({','.join(adapters['targets'])})"
+              + (f"; {','.join(adapters['unmatched'])} match nothing here (MoE experts are frozen)"
+                 if adapters["unmatched"] else "") + f"; {lora.count_line(adapters['trainable'], adapters['total'])}",
+              flush=True)
     kernel_plan = apply_overrides(backend.model, cfg, where.device, dtype=run.precision.compute_dtype) \
         if cfg.kernels.entries else {}
     loss_scale = 1.0
@@ -274,6 +280,8 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
     else:
         backend.finalize_single(tt)
+    if adapters is not None and not where.trace:  # after the weights exist (materialized, sharded): seeded by name
+        lora.init_adapters(backend.model, cfg.training.seed)
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))
@@ -289,7 +297,8 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
 
     optimizer, scheduler = build_optimizer(backend.model, cfg.optimizer, cfg.training.steps)
     backend.register_optimizer_hooks(optimizer, where.parallel_dims)
-    state = TrainState(backend.model, optimizer, scheduler, rank=where.rank, device_type=where.device.type)
+    state = TrainState(backend.model, optimizer, scheduler, rank=where.rank, device_type=where.device.type,
+                       save_frozen=adapters is None)  # LoRA: the checkpoint holds the adapters, not the base
     return Step(
         run=run, where=where,
         tokenizer=tokenizer, data=data, data_layout=layout, dp_rank=dp_rank, dp_size=dp_size, eval_every=eval_every,

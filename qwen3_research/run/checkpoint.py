@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from qwen3_research import models
+from qwen3_research import lora, models
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, log_call, write_failure
@@ -329,6 +329,8 @@ class Checkpointer:
         self.total_steps = total_steps
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self.meta = {"layout": layout, "model": config["model"], "config": config, "data_layout": data_layout}
+        if (config["model"].get("lora") or {}).get("enable") and self.is_main:  # what the adapters were trained on
+            self.meta["lora_base"] = lora.base_fingerprint(config["model"], config["training"]["seed"])
         self.last_saved: int | None = None
         self.resume_from: Path | None = None
         if self.cfg.resume:
@@ -493,6 +495,25 @@ def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> Non
         )
 
 
+def _same_lora_base(resume: str, found: Path, meta: dict, rc: RunConfig) -> None:
+    """A LoRA checkpoint holds the adapters only: they mean something on the base they were trained on alone
+    (``meta.json``'s ``lora_base``: its path and a sha256 of its weights). Another base, or a resume that turns
+    LoRA on or off, is refused."""
+    was = bool((((meta.get("config") or {}).get("model") or {}).get("lora") or {}).get("enable"))
+    if was != rc.model.lora.enable:
+        raise ConfigError(
+            f"checkpoint.resume={resume}: {found} was trained with model.lora.enable={str(was).lower()}, but this run "
+            f"sets model.lora.enable={str(rc.model.lora.enable).lower()}; resume with the same setting, or start a new "
+            "run (another hydra.run.dir)")
+    if not was:
+        return
+    why = lora.base_difference(meta.get("lora_base"), lora.base_fingerprint(rc.model, rc.training.seed))
+    if why is not None:
+        raise ConfigError(
+            f"checkpoint.resume={resume}: {found} holds LoRA adapters trained on another base model ({why}); "
+            "adapters only fit the base they were trained on: resume with that base, or start a new run")
+
+
 def preflight(rc: RunConfig, run_dir: Path) -> None:
     """Cheap checks in the launching process (before workers start): resume target, and model.init_from as its
     backend's spec checks it (``models.check_init_from``)."""
@@ -511,4 +532,5 @@ def preflight(rc: RunConfig, run_dir: Path) -> None:
                 )
             _same_base_model(ck.resume, found, saved.get("init_from"), rc.model.init_from)
             _same_objective(ck.resume, found, read_meta(found).get("config") or {}, rc)
+            _same_lora_base(ck.resume, found, read_meta(found), rc)
     models.check_init_from(rc)

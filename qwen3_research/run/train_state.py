@@ -27,14 +27,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by their module path, as stored (sharded DTensors stay sharded).
+def model_tensors(model: torch.nn.Module, save_frozen: bool = True) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by their module path, as stored (sharded DTensors stay sharded);
+    without ``save_frozen`` only the trainable parameters (a LoRA run: its base is named in meta.json instead).
 
     Not ``state_dict()``: torchtitan's fused QKV renames its weight in state-dict hooks, which
     DCP's state-dict helpers cannot map back to a module. Detached views, so DCP loads in place.
     """
     model = unwrap(model)
-    out = {name: p.detach() for name, p in model.named_parameters()}
+    out = {name: p.detach() for name, p in model.named_parameters() if save_frozen or p.requires_grad}
     for mod_name, mod in model.named_modules():
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
@@ -54,6 +55,7 @@ class TrainState:
     final_loss: float | None = None  # the last logged training loss
     final_eval_loss: float | None = None
     timer: StepTimer = field(default_factory=StepTimer)
+    save_frozen: bool = True  # False (LoRA): frozen parameters are not checkpointed (the base is rebuilt from its source)
 
     @property
     def rng_key(self) -> str:
@@ -61,7 +63,7 @@ class TrainState:
         return f"rng_rank{self.rank}"
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
-        return model_tensors(self.model)
+        return model_tensors(self.model, self.save_frozen)
 
     def progress(self) -> dict:
         """Everything the summary reports that a resumed run must carry on."""

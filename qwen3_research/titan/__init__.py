@@ -37,6 +37,7 @@ API = (
     "nparams_and_flops", "init_weights", "parallelize_qwen3", "register_moe_load_balancing_hook",
     "state_dict_adapter", "parallel_dims", "training_configs", "apply_activation_checkpointing", "no_parallel",
     "mark_expert_counts_varying", "set_moe_load_balance", "attach_router_hooks", "document_attention_masks",
+    "separate_qkv",
 )
 
 
@@ -53,6 +54,7 @@ expert_weights = api.expert_weights  # (w1, w2, w3) of torchtitan's GroupedExper
 prepare_kernel_targets = api.prepare_kernel_targets  # modules kernels replace that the API lacks (0.2.x RoPE)
 qwen3_model_config = api.qwen3_model_config  # torchtitan's Qwen3 config for a flavor
 qwen3_config_for_architecture = api.qwen3_config_for_architecture  # ... for an HF config.json's architecture
+separate_qkv = api.separate_qkv  # q/k/v as three Linears (LoRA's per-projection adapters), before the build
 apply_parallelism_plans = api.apply_parallelism_plans  # TP/SP/EP plans on the config before the build
 build_model = api.build_model  # the nn.Module (under torch.device("meta"))
 nparams_and_flops = api.nparams_and_flops  # (parameters, training FLOPs per token): torchtitan's formula

@@ -108,6 +108,11 @@ def qwen3_model_config(flavor, attention: str, device_type: str):
     )
 
 
+def separate_qkv(model_config) -> int:
+    """0.2.x builds q, k and v as three Linears already (``attention.wq``/``wk``/``wv``): nothing to change."""
+    return 0
+
+
 def apply_parallelism_plans(model_config, tt_parallelism) -> None:
     """0.2.x has no plans on the config: ``parallelize_qwen3`` applies them from the JobConfig."""
 

@@ -78,6 +78,31 @@ def qwen3_model_config(flavor, attention: str, device_type: str):
     return cfg
 
 
+def separate_qkv(model_config) -> int:
+    """Build q, k and v as three Linears (torchtitan's stock ``QKVLinear``: ``wq``/``wk``/``wv``) instead of the fused
+    ``wqkv`` (``FusedQKVLinear``), before the build: LoRA needs one adapter per projection, as Hugging Face's
+    q_proj/k_proj/v_proj have (qwen3_research/lora.py). Same weights (torchtitan draws the fused init from the
+    three stock ones, models/common/config_utils.py) and the same HF keys; TP shards each colwise
+    (decoder_sharding.set_qkv_linear_sharding). Returns how many layers changed."""
+    from torchtitan.models import qwen3 as tq
+    from torchtitan.models.common import Linear
+    from torchtitan.models.common.attention import FusedQKVLinear, QKVLinear
+
+    changed = 0
+    for layer in model_config.layers:
+        qkv = layer.attention.qkv_linear
+        if not isinstance(qkv, FusedQKVLinear.Config):
+            continue
+        dim, hd = qkv.wqkv.in_features, qkv.head_dim
+        layer.attention.qkv_linear = QKVLinear.Config(
+            head_dim=hd,
+            wq=Linear.Config(in_features=dim, out_features=qkv.n_heads * hd, param_init=tq._LINEAR_INIT),
+            wkv=Linear.Config(in_features=dim, out_features=qkv.n_kv_heads * hd, param_init=tq._LINEAR_INIT),
+        )
+        changed += 1
+    return changed
+
+
 def apply_parallelism_plans(model_config, tt_parallelism) -> None:
     """Fill the TP/SP/EP sharding plans on the config before the modules are built."""
     model_config.update_from_config(config=_ParallelismHolder(tt_parallelism))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from qwen3_research import titan
+from qwen3_research import lora, titan
 from qwen3_research.errors import ConfigError
 
 
@@ -67,7 +67,10 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
     with torch.no_grad():
         for module, prefix, piece in _chunks(model):
             adapter = top_adapter if prefix == "" else layer_adapter
-            piece = {k: v for k, v in piece.items() if not titan.native_only_buffer(k)}
+            # LoRA (qwen3_research/lora.py): the base weights under their own names, the adapters left to lora.py
+            own = {lora.base_key(k): k for k in piece if not lora.is_adapter_key(k)}
+            piece = {lora.base_key(k): v for k, v in piece.items()
+                     if not titan.native_only_buffer(k) and not lora.is_adapter_key(k)}
             hf_sd = adapter.to_hf(piece)
             missing = sorted(k for k in hf_sd if k not in stored)
             bad = sorted(k for k in hf_sd if k in stored and tuple(stored[k].size) != tuple(hf_sd[k].shape))
@@ -80,12 +83,13 @@ def load_hf_weights(model: torch.nn.Module, model_config, hf_dir: str) -> dict:
             except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors in CheckpointException
                 raise ConfigError(f"{where}: cannot read the safetensors ({_first_line(e)})") from None
             used.update(hf_sd)
-            loaded = {k[len(prefix):]: v for k, v in adapter.from_hf(hf_sd).items()}
+            loaded = {own.get(k, k)[len(prefix):]: v for k, v in adapter.from_hf(hf_sd).items()}
             del hf_sd, piece
             # load_state_dict, not copies into state_dict(): the fused-QKV load hook merges wq/wk/wv.
             result = module.load_state_dict(loaded, strict=False)
             del loaded
-            left = [k for k in result.missing_keys if not titan.native_only_buffer(k) and (prefix or not k.startswith("layers."))]
+            left = [k for k in result.missing_keys if not titan.native_only_buffer(k) and not lora.is_adapter_key(k)
+                    and (prefix or not k.startswith("layers."))]
             if left or result.unexpected_keys:
                 raise ConfigError(f"{where}: not loaded: {left[:3]} unexpected: {result.unexpected_keys[:3]}")
     return {"tensors": len(used), "ignored": sorted(set(stored) - used)}

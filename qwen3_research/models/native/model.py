@@ -94,6 +94,8 @@ class NativeQwen3(ModelBackend):
             self.balance = routing.resolve_balance(cfg.moe, checkpoint=checkpoint, what="model.init_from",
                                                    modes=registry.balance_modes(cfg))
             titan.set_moe_load_balance(self.model_config, self.balance.bias_coef if self.balance.mode == "bias" else None)
+        if cfg.lora.enable:  # one LoRA adapter per projection, as HF's q_proj/k_proj/v_proj (qwen3_research/lora.py)
+            titan.separate_qkv(self.model_config)
         if tt_parallelism is not None:
             titan.apply_parallelism_plans(self.model_config, tt_parallelism)
         self.device = device
