@@ -13,12 +13,15 @@ The API (what the step, the checkpointer, the planner and the exports use):
   (before sharding; on meta tensors too). model=native must have been built with q/k/v as three Linears
   (``titan.separate_qkv``: torchtitan 0.3 fuses them, and one adapter on the fused ``wqkv`` would share one A
   across q, k and v, which is not HF's adapter).
+- ``freeze_base(model)``: only the adapters require gradients; call it again after sharding (sharding re-creates
+  parameters with requires_grad=True).
 - ``init_adapters(model, seed)``: every adapter's weights, in any layout (whole, FSDP- or TP-sharded): A drawn as
   PEFT draws it (kaiming-uniform, a=sqrt(5)) from a generator seeded by ``seed`` and the module's HF name, B zero.
   The same seed gives the same adapters on both backends and every layout. Call it after the weights exist
   (after sharding / materializing).
 - ``adapter_state_dict(model) -> dict``: the adapters as full tensors under PEFT's keys for the HF base
   (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``); collective under a sharded model.
+- ``tp_plan(plan, root, no_parallel) -> dict``: a tensor-parallel plan over Linears rewritten for their adapters.
 - ``check_run(rc, degrees, backend_spec)``: the combinations refused before any worker starts (resolve.py).
 - ``is_adapter_key(key)``, ``base_key(key)``: a state-dict key of an adapter; a base weight's key without PEFT's
   ``base_layer`` (what loaders of the base's weights match).
@@ -92,6 +95,39 @@ def check_run(rc, degrees, backend_spec) -> None:
                           "qwen3_research.export) or use checkpoint.export_hf=false")
 
 
+def tp_plan(plan: dict, root: nn.Module, no_parallel) -> dict:
+    """A tensor-parallel plan (module path -> ParallelStyle) whose Linears may carry an adapter, made consistent
+    with the base's sharding: the base Linear takes the style under ``base_layer``; a colwise base gets lora_A
+    replicated (its input is) and lora_B colwise (its output is sharded as the base's); a rowwise base gets lora_A
+    rowwise (its input is sharded; the r-wide output all-reduced) and lora_B replicated. ``no_parallel``: the
+    replicated style (titan.no_parallel). Exact: the same sums as one process, in another order."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    for key, style in plan.items():
+        module = root.get_submodule(key)
+        if not _is_lora_layer(module):
+            out[key] = style
+            continue
+        out[f"{key}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            out[f"{key}.lora_A.{ADAPTER}"] = no_parallel(use_local_output=True)
+            out[f"{key}.lora_B.{ADAPTER}"] = ColwiseParallel()
+        elif isinstance(style, RowwiseParallel):
+            out[f"{key}.lora_A.{ADAPTER}"] = RowwiseParallel()
+            out[f"{key}.lora_B.{ADAPTER}"] = no_parallel(use_local_output=True)
+        else:
+            raise ConfigError(f"model.lora: {key} is sharded with {type(style).__name__}, which has no adapter plan; "
+                              f"leave {key.rsplit('.', 1)[-1]} out of model.lora.target_modules")
+    return out
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer  # deferred: see peft_config
+
+    return isinstance(module, LoraLayer)
+
+
 def is_adapter_key(key: str) -> bool:
     """A state-dict key or parameter name of an adapter (``...q_proj.lora_A.default.weight``)."""
     return ".lora_" in key
@@ -139,9 +175,7 @@ def apply_lora(backend, lora_cfg: LoraConfig) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     inject_adapter_in_model(peft_config(lora_cfg, targets), model, adapter_name=ADAPTER)
-    for name, p in model.named_parameters():  # only the adapters train (PEFT marks them; this is the rule, stated)
-        p.requires_grad_(is_adapter_key(name))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = freeze_base(model)  # PEFT marks the adapters trainable; this is the rule, stated once
     total = sum(p.numel() for p in model.parameters())
     matched = sorted({hf_module_name(t).rsplit(".", 1)[1] for t in targets})
     return {"targets": matched, "modules": len(targets), "trainable": trainable, "total": total,
@@ -151,6 +185,15 @@ def apply_lora(backend, lora_cfg: LoraConfig) -> dict:
 def count_line(trainable: int, total: int) -> str:
     """PEFT's own wording (PeftModel.print_trainable_parameters)."""
     return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"
+
+
+def freeze_base(model: nn.Module) -> int:
+    """Only the adapters require gradients (again): sharding re-creates parameters (``nn.Parameter(distribute_tensor(
+    ...))`` in torch's TP styles and ours) with requires_grad=True, which trained the base's q/k norms under TP.
+    Returns the trainable count (this rank's elements)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def lora_layers(model: nn.Module):

@@ -280,8 +280,10 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
     else:
         backend.finalize_single(tt)
-    if adapters is not None and not where.trace:  # after the weights exist (materialized, sharded): seeded by name
-        lora.init_adapters(backend.model, cfg.training.seed)
+    if adapters is not None:  # sharding re-creates parameters trainable: the base is frozen again
+        lora.freeze_base(backend.model)
+        if not where.trace:  # after the weights exist (materialized, sharded): seeded by name
+            lora.init_adapters(backend.model, cfg.training.seed)
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from qwen3_research import routing, titan
+from qwen3_research import lora, routing, titan
 from qwen3_research.config import ConfigError, ModelConfig
 from qwen3_research.data import tokenizer_path
 from qwen3_research.models import registry
@@ -177,7 +177,7 @@ class HFCausalLM(ModelBackend):
             for norm in ("q_norm", "k_norm"):  # per-head RMSNorm on (B, L, heads, head_dim): heads are sharded
                 if hasattr(layer.self_attn, norm):
                     plan[f"self_attn.{norm}"] = _HeadShardedNorm()
-            parallelize_module(layer, tp_mesh, plan)
+            parallelize_module(layer, tp_mesh, lora.tp_plan(plan, layer, titan.no_parallel))
         tied = self.model.get_output_embeddings().weight is self.model.get_input_embeddings().weight
         parallelize_module(self.model, tp_mesh, {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
