@@ -2,12 +2,15 @@
 ``model.lora.enable=true checkpoint.export_hf=true``, ``<run dir>/hf_adapter`` is a PEFT adapter for the base's
 Hugging Face checkpoint and ``<run dir>/hf`` the merged model (run/export_peft.py).
 
-One CLI run per backend, shared by its asserts (module-scoped): model=native over 2 FSDP ranks (the sharded case) and
-model=hf in one process, both from the same random 2-layer Qwen3 directory (``write_tiny_checkpoint``). What each
-checks, independently of the run's own verification: ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained
-(base), adapter)`` and ``AutoModelForCausalLM.from_pretrained(merged)`` give the same float32 logits (<= 1e-5; measured
-~4e-7), and these differ from the base's (> 1e-3: the adapters trained; measured 0.064 after 3 steps), so a dropped or
-misnamed adapter fails; the run's report holds each reload against the trained model's own logits (<= 1e-5).
+Both backends from the same random 2-layer Qwen3 directory (``write_tiny_checkpoint``): model=native as a CLI run
+over 2 FSDP ranks (the sharded case: adapters gathered out of DTensors, native names mapped to PEFT's), and model=hf
+in this process (built as step.py builds it, its adapters' B set non-zero, then the run's own export: 9 s instead of
+a 45 s CLI run). What each checks, independently of the run's own verification:
+``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)`` and
+``AutoModelForCausalLM.from_pretrained(merged)`` give the same float32 logits (<= 1e-5; measured ~4e-7 to 7e-7), and
+these differ from the base's (> 1e-3: the adapters trained; measured 0.064 after 3 steps, 1.07 with the in-process
+random B), so a dropped or misnamed adapter fails; the run's report holds each reload against the trained model's own
+logits (<= 1e-5).
 """
 
 from __future__ import annotations
@@ -42,9 +45,35 @@ def native_fsdp2(tmp_path_factory, base):
                      ["model=native", f"model.init_from={base}", "parallelism.nproc_per_node=2"])
 
 
-@pytest.fixture(scope="module")
-def hf_one(tmp_path_factory, base):
-    return _lora_run(tmp_path_factory, base, "lora_hf", ["model=hf", f"model.path={base}"])
+def _in_process_export(base, run_dir, backend_name: str):
+    """A one-process LoRA model of ``backend_name`` on ``base`` as a run builds it (step.py: build, apply_lora,
+    materialize, init_adapters), its adapters' B set to random non-zero values (a trained adapter: B starts at zero),
+    exported by the run's own export (run/export_peft.py)."""
+    from types import SimpleNamespace
+
+    from qwen3_research import lora, models
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.config import to_run_config
+    from qwen3_research.data import Tokenizer
+    from qwen3_research.run.export_peft import export_lora
+
+    key = "model.path" if backend_name == "hf" else "model.init_from"
+    cfg = to_run_config(compose_resolved([f"model={backend_name}", f"{key}={base}", "model.lora.enable=true",
+                                          "checkpoint.export_hf=true", *FAST]))
+    backend = models.build(cfg.model, torch.device("cpu"), seq_len=32, seed=0)
+    lora.apply_lora(backend, cfg.model.lora)
+    if hasattr(backend, "materialize"):
+        backend.materialize()
+    lora.init_adapters(backend.model, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(backend.model):
+            w = layer.lora_B[lora.ADAPTER].weight
+            w.copy_(torch.randn(w.shape, generator=g) * 0.05)
+    inputs = torch.randint(0, 151936, (2, 32), generator=g)
+    export_lora(backend, run_dir, inputs=inputs, device=torch.device("cpu"), tokenizer=Tokenizer(base / "tokenizer.json"),
+                cfg=cfg, precision=SimpleNamespace(param_dtype="float32"))
+    return run_dir
 
 
 @torch.no_grad()
@@ -83,9 +112,9 @@ def test_native_fsdp2_lora_exports_reload_to_the_trained_logits(native_fsdp2, ba
     _check(native_fsdp2, base, "model=native fsdp(2)")
 
 
-@pytest.mark.slow  # ~40 s: one process
-def test_hf_lora_exports_reload_to_the_trained_logits(hf_one, base):
-    _check(hf_one, base, "model=hf one process")
+def test_hf_lora_exports_reload_to_the_trained_logits(base, tmp_path):
+    # model=native is the 2-rank run above; in one process it adds 16 s and no code path the sharded run lacks
+    _check(_in_process_export(base, tmp_path / "run", "hf"), base, "model=hf one process")
 
 
 def test_lora_export_needs_a_base_checkpoint():
