@@ -81,17 +81,22 @@ class LoraConfig:
 
     enable: bool = False
     """Train LoRA adapters (PEFT's LoRA Linear) on the target projections; every base weight is frozen (no
-    gradient, no optimizer state, not in the checkpoint). Read by lora.py, step.py and run/checkpoint.py."""
+    gradient, no optimizer state, not in the checkpoint). Runs in one process, FSDP2, EP (a MoE's experts stay
+    frozen), TP on model=hf, bf16, activation checkpointing, compile, training.grad_accum, evaluation and
+    checkpoint/resume; TP on model=native is refused at start-up (lora.check_run). Read by lora.py, step.py and
+    run/checkpoint.py."""
     rank: int = 16
     """The adapters' rank r (> 0): lora_A is r x in, lora_B out x r (lora.py)."""
     alpha: float = 32.0
     """The scale numerator: the adapter's output is multiplied by alpha / rank, as PEFT's lora_alpha (lora.py)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout); 0 keeps the run deterministic (lora.py)."""
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout); 0 keeps the run deterministic; must be 0
+    with parallelism.tp > 1 (each rank would draw its own mask: refused, lora.check_run)."""
     target_modules: List[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
     """The projections that get an adapter, in Hugging Face's names (q_proj, k_proj, v_proj, o_proj, gate_proj,
     up_proj, down_proj) on both backends; model=native maps them to torchtitan's modules (lora.py). MoE experts
-    are never targeted: on a MoE layer the MLP names match nothing."""
+    are never targeted: on a MoE layer the MLP names match nothing, and a MoE run naming no attention projection
+    is refused at start-up (lora.check_run)."""
 
 
 @dataclass

@@ -22,7 +22,8 @@ The API (what the step, the checkpointer, the planner and the exports use):
 - ``adapter_state_dict(model) -> dict``: the adapters as full tensors under PEFT's keys for the HF base
   (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``); collective under a sharded model.
 - ``tp_plan(plan, root, no_parallel) -> dict``: a tensor-parallel plan over Linears rewritten for their adapters.
-- ``check_run(rc, degrees, backend_spec)``: the combinations refused before any worker starts (resolve.py).
+- ``check_run(rc, degrees, backend_spec, is_moe=False)``: the combinations refused before any worker starts
+  (resolve.py), and targets a MoE has no Linear for.
 - ``is_adapter_key(key)``, ``base_key(key)``: a state-dict key of an adapter; a base weight's key without PEFT's
   ``base_layer`` (what loaders of the base's weights match).
 - ``peft_config(lora_cfg, targets=None) -> peft.LoraConfig``: the PEFT config of these keys (adapter_config.json).
@@ -39,9 +40,6 @@ import os
 import re
 import zlib
 from pathlib import Path
-
-import torch
-import torch.nn as nn
 
 from qwen3_research.config import ConfigError, LoraConfig
 
@@ -75,11 +73,20 @@ def hf_module_name(name: str) -> str | None:
     return None
 
 
-def check_run(rc, degrees, backend_spec) -> None:
-    """The combinations a LoRA run cannot run, refused in one line before any worker starts (resolve.resolve_run)."""
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_run(rc, degrees, backend_spec, is_moe: bool = False) -> None:
+    """The combinations a LoRA run cannot run, refused in one line before any worker starts (resolve.resolve_run).
+    ``is_moe``: every decoder layer's MLP is experts (parameters, not Linears), so only attention takes adapters;
+    without this the miss surfaced in each rank's build (apply_lora), after the workers started."""
     lc = rc.model.lora
     if not lc.enable:
         return
+    if is_moe and not set(lc.target_modules) & set(_ATTENTION):
+        raise ConfigError(f"model.lora.target_modules={list(lc.target_modules)} match no module of this MoE model: its "
+                          "MLPs are experts, which stay frozen; add the attention projections (q_proj, k_proj, "
+                          "v_proj, o_proj)")
     if degrees.tp > 1 and backend_spec.torchtitan:
         raise ConfigError(f"model.lora.enable=true with parallelism.tp={degrees.tp} on model={backend_spec.name}: the "
                           "adapters have no tensor-parallel plan on torchtitan's sharded Linears yet; use parallelism.tp=1 "
@@ -140,6 +147,8 @@ def base_key(key: str) -> str:
 
 def target_names(model: nn.Module, lora_cfg: LoraConfig) -> list[str]:
     """The module paths of ``model`` (as named there) whose HF name's projection is in ``model.lora.target_modules``."""
+    import torch.nn as nn  # deferred: resolve.py (start-up, no torch) imports this module for check_run
+
     wanted = set(lora_cfg.target_modules)
     out = []
     for name, module in model.named_modules():
@@ -209,24 +218,27 @@ def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
-@torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> int:
     """Every adapter's A (kaiming-uniform, a=sqrt(5): PEFT's default) from a per-module generator, B zero; any
     layout (a DTensor gets its shard of the same full tensor). Returns how many adapters."""
+    import torch  # deferred: see target_names
+    import torch.nn as nn
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     n = 0
-    for name, layer in lora_layers(model):
-        for which in ("lora_A", "lora_B"):
-            p = getattr(layer, which)[ADAPTER].weight
-            full = torch.zeros(tuple(p.shape), dtype=torch.float32)
-            if which == "lora_A":
-                nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=torch.Generator().manual_seed(_seed_for(seed, name)))
-            if isinstance(p, DTensor):
-                p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements))
-            else:
-                p.copy_(full.to(device=p.device, dtype=p.dtype))
-        n += 1
+    with torch.no_grad():
+        for name, layer in lora_layers(model):
+            for which in ("lora_A", "lora_B"):
+                p = getattr(layer, which)[ADAPTER].weight
+                full = torch.zeros(tuple(p.shape), dtype=torch.float32)
+                if which == "lora_A":
+                    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+                    nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+                if isinstance(p, DTensor):
+                    p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements))
+                else:
+                    p.copy_(full.to(device=p.device, dtype=p.dtype))
+            n += 1
     return n
 
 

@@ -258,7 +258,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     rc = dataclasses.replace(rc, compile=dataclasses.replace(rc.compile, enable=decision.enable))
     if prepare is not None:
         prepare(kind, lnc, degrees.world_size)
-    lora.check_run(rc, degrees, spec)  # what LoRA adapters cannot run with (one line, before any worker)
+    lora.check_run(rc, degrees, spec, is_moe=bool(facts.get("is_moe")))  # what LoRA adapters cannot run with (one line, before any worker)
     if not elsewhere:
         models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
 
