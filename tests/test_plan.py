@@ -289,6 +289,7 @@ def test_interrupted_sweep_runs_only_the_remaining_points(tmp_path):
 
 
 
+@pytest.mark.slow  # 28 s on the shared 2 cores: one trace, most of it importing PEFT and transformers
 def test_lora_plan_traces_only_the_adapters_with_adamw_state():
     """Issue 41 (planner): a LoRA run is traced as it runs (its frozen base without gradients or AdamW state) and the
     closed form counts the same. tiny, one rank, in this process (one trace). Expected, from the architecture: the
