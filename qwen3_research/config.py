@@ -340,7 +340,9 @@ class CheckpointConfig:
     keep: int = 2
     """Checkpoints kept; older step dirs are removed (run/checkpoint.py)."""
     export_hf: bool = False
-    """Export Hugging Face safetensors to <run dir>/hf at the end, verified (run/export_hf.py)."""
+    """Export Hugging Face safetensors to <run dir>/hf at the end, verified (run/export_hf.py). With model.lora.enable=true:
+    <run dir>/hf_adapter, the adapters in PEFT's format for the base's HF checkpoint (model.path / model.init_from,
+    required), and <run dir>/hf, the merged model; each verified by the reload its users do (run/export_peft.py)."""
     overwrite: bool = False
     """Start over in a run dir that holds a run: its files are removed first (run/rundir.py)."""
     allow_data_change: bool = False

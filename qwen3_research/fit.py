@@ -10,7 +10,10 @@ Knobs (a key the user set on the command line, or a key a sweep varies, is froze
   changes numerics, the line says so);
 - the tensor-parallel degree among those the world allows (``tp`` divides the world, the query and KV heads and
   the sequence), with sequence parallel on (it only saves memory); only where ``parallelism.dp_shard=-1`` lets FSDP
-  take the remaining ranks.
+  take the remaining ranks;
+- LoRA (``model.lora.enable=true``, the ``model.lora`` settings as configured): the base frozen, gradients and AdamW
+  state for the adapters only. It trains something else (adapters, not the model), so a LoRA variant ranks after
+  every full-training one: it is printed when fewer than ``k`` of those fit, and its line says so.
 
 Search: every candidate's cost comes from a closed form (instant); its memory from the planner's closed form
 (``planner.estimate``) as a screen, then the real trace (``planner.make_plan``, the same code path as a plan
@@ -20,10 +23,11 @@ at least its micro-batch, weaker or equal checkpointing, loss and precision) is 
 suggestion was traced and fits.
 
 Cost per rank per optimizer step: compute = training FLOPs (torchtitan's per-token formula, ``models.flops_per_
-token``) with activation-checkpointing recomputation (full: one more forward of every block, +1/3 of the block
+token``; with LoRA the frozen weights' gradient matmuls, a third of the parameter FLOPs, are not done) with
+activation-checkpointing recomputation (full: one more forward of every block, +1/3 of the block
 FLOPs; selective: about half of that), over the device's dense peak in the dtype (bf16 or fp32); communication =
 bytes sent per rank (ring collectives, (n-1)/n): FSDP all-gathers every unit in forward and again in backward and
-reduce-scatters float32 gradients once per micro-batch; tensor parallel moves each block's activations four times
+reduce-scatters float32 gradients (LoRA: the adapters' only) once per micro-batch; tensor parallel moves each block's activations four times
 per micro-batch (all-gather + reduce-scatter, forward and backward; the full loss also all-gathers the logits).
 Ranked by compute time, then communication bytes: no measured interconnect figure is in this repository to add
 them (a first-order model, not a simulator).
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 
 
 from qwen3_research import devices
+from qwen3_research import lora_params
 from qwen3_research import models
 from qwen3_research import overrides
 from qwen3_research.planner import GIB, capacity, estimate, make_plan
@@ -46,7 +51,7 @@ from qwen3_research.resolve import ResolvedRun, resolve_run
 
 AC_LEVELS = ("none", "selective", "full")
 KNOB_KEYS = ("data.batch_size", "training.grad_accum", "parallelism.activation_checkpoint", "training.loss",
-             "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel")
+             "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel", "model.lora.enable")
 SCREEN = 1.25  # a candidate whose closed-form peak exceeds the capacity by more than this is not traced
 MAX_TRACES = 10  # at most this many traces before the search stops (the ranking is closed form)
 
@@ -61,6 +66,7 @@ class Candidate:
     ac: str
     chunked: bool
     bf16: bool
+    lora: bool = False  # model.lora.enable in this variant
     compute_s: float = 0.0  # per optimizer step, at the device's dense peak
     comm_bytes: float = 0.0  # sent per rank per optimizer step
     estimate_gib: float = 0.0  # the planner's closed form (the screen)
@@ -70,8 +76,10 @@ class Candidate:
         return [f"{k}={_fmt(v)}" for k, v in self.changes.items()]
 
     def cost_key(self) -> tuple:
-        """Compute time, then bytes sent; on a tie the variant that changes fewer keys, then the larger micro-batch."""
-        return (round(self.compute_s, 6), round(self.comm_bytes), len(self.changes), -self.batch)
+        """A variant that turns LoRA on after every other (it trains adapters, not the model); then compute time,
+        then bytes sent; on a tie the variant that changes fewer keys, then the larger micro-batch."""
+        return (int("model.lora.enable" in self.changes), round(self.compute_s, 6), round(self.comm_bytes),
+                len(self.changes), -self.batch)
 
 
 @dataclass
@@ -137,6 +145,10 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
     precisions = [t.mixed_precision] if "training.mixed_precision" in frozen or t.mixed_precision == "bf16" \
         else [t.mixed_precision, "bf16"]
     gbt = rc.data.global_batch_tokens is not None
+    lora_on = lora_params.lora_settings(rc.model) is not None
+    loras = [lora_on]
+    if not lora_on and "model.lora.enable" not in frozen and "lora" in config.get("model", {}):
+        loras = [False, True]
     out = []
     for tp in tps:
         dp = world // tp if tp != d.tp else d.dp
@@ -149,7 +161,7 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
         sp = d.sequence_parallel if tp == d.tp else tp > 1
         if "parallelism.sequence_parallel" in frozen:
             sp = d.sequence_parallel if tp > 1 else False
-        for b, ac, loss, mp in itertools.product(batches, acs, losses, precisions):
+        for b, ac, loss, mp, lora in itertools.product(batches, acs, losses, precisions, loras):
             changes = {}
             if tp != d.tp:
                 changes["parallelism.tp"] = tp
@@ -166,10 +178,12 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
                 changes["training.loss"] = loss
             if mp != t.mixed_precision:
                 changes["training.mixed_precision"] = mp
+            if lora != lora_on:
+                changes["model.lora.enable"] = lora
             variant = copy.deepcopy(config)
             for k, v in changes.items():
                 _set(variant, k, v)
-            out.append(Candidate(changes, variant, tp, sp, b, ac, loss == "chunked", mp == "bf16"))
+            out.append(Candidate(changes, variant, tp, sp, b, ac, loss == "chunked", mp == "bf16", lora))
     return out
 
 
@@ -189,6 +203,7 @@ def cost(c: Candidate, run) -> None:
     per_token = models.flops_per_token(rc.model, seq)
     global_tokens = run.tokens_per_step
     recompute = 0.0
+    lora = lora_params.count_for(f, c.config["model"]) if f is not None and c.lora else None
     if f is not None:
         d, v = f.dim, f.vocab_size
         layer = d * (f.n_heads + 2 * f.n_kv_heads) * f.head_dim + f.n_heads * f.head_dim * d + \
@@ -196,6 +211,8 @@ def cost(c: Candidate, run) -> None:
         blocks = f.n_layers * layer
         block_share = blocks / (blocks + v * d)
         recompute = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}[c.ac] * block_share
+    if lora:  # no weight-gradient matmul for a frozen weight: 4 of the 6 FLOPs per parameter and token, plus the adapters'
+        per_token = per_token - 2 * (blocks + v * d) + 6 * lora.adapters
     flops = per_token * global_tokens * (1 + recompute) / world
     peak = _peak(run.device_type, c.bf16)  # the resolved kind: the planned one when this host lacks it
     c.compute_s = flops / peak
@@ -205,7 +222,8 @@ def cost(c: Candidate, run) -> None:
     accum = global_tokens // (seq * c.batch * dp)
     total_params = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2)
     s_p = 2 if c.bf16 else 4
-    fsdp = accum * (2 * s_p + 4) * total_params / c.tp * (dp - 1) / dp if dp > 1 else 0.0
+    reduced = lora.adapters if lora else total_params  # float32 gradients reduce-scattered
+    fsdp = accum * (2 * s_p * total_params + 4 * reduced) / c.tp * (dp - 1) / dp if dp > 1 else 0.0
     tp = 0.0
     if c.tp > 1:
         s_a = 2 if c.bf16 else 4
@@ -217,14 +235,14 @@ def cost(c: Candidate, run) -> None:
 
 
 def _memory_order(c: Candidate) -> tuple:
-    return (c.batch, -AC_LEVELS.index(c.ac), -int(c.chunked), -int(c.bf16))
+    return (-int(c.lora), c.batch, -AC_LEVELS.index(c.ac), -int(c.chunked), -int(c.bf16))
 
 
 def _needs_at_least(c: Candidate, failed: Candidate) -> bool:
     """``c`` needs at least the memory of ``failed`` (same tp and SP, every knob at most as saving)."""
     return (c.tp == failed.tp and c.sp == failed.sp and c.batch >= failed.batch
             and AC_LEVELS.index(c.ac) <= AC_LEVELS.index(failed.ac) and c.chunked <= failed.chunked
-            and c.bf16 <= failed.bf16)
+            and c.bf16 <= failed.bf16 and c.lora <= failed.lora)
 
 
 def search(config: dict | ResolvedRun, *, frozen: set[str] = frozenset(), k: int = 3, echo=None) -> FitResult:
@@ -298,6 +316,8 @@ def render(result: FitResult, args: list[str]) -> str:
              "per rank); each line is the whole command line to run:"]
     for i, c in enumerate(result.fits, 1):
         note = " (bf16 changes numerics)" if c.bf16 and "training.mixed_precision" in c.changes else ""
+        if c.changes.get("model.lora.enable"):
+            note += " (LoRA: trains adapters on a frozen base, not the whole model)"
         lines.append(f"  {i}. {c.plan.peak_gib:.2f} GiB per rank ({c.plan.verdict}), compute {c.compute_s:.3g} s, "
                      f"comm {c.comm_bytes / 1024**3:.1f} GiB/step{note}")
         lines.append("     " + " ".join(replace_overrides(args, c.changes)))

@@ -94,9 +94,12 @@ def check_run(rc, degrees, backend_spec, is_moe: bool = False) -> None:
     if degrees.tp > 1 and lc.dropout > 0:
         raise ConfigError(f"model.lora.dropout={lc.dropout:g} with parallelism.tp={degrees.tp}: each tensor-parallel "
                           "rank would draw its own dropout mask on the replicated adapter input; use model.lora.dropout=0")
-    if rc.checkpoint.export_hf:
-        raise ConfigError("checkpoint.export_hf=true with model.lora.enable=true: the export writes the base's keys "
-                          "only and would drop the adapters; use checkpoint.export_hf=false")
+    if rc.checkpoint.export_hf and not (rc.model.path or rc.model.init_from):
+        # the PEFT adapter is for a base's Hugging Face checkpoint (run/export_peft.py): a seeded base has none
+        raise ConfigError("checkpoint.export_hf=true with model.lora.enable=true needs the base as a Hugging Face "
+                          "directory (model.init_from=DIR on model=native, model.path=DIR on model=hf): the exported "
+                          "PEFT adapter is for that checkpoint; export a seeded base first (python -m "
+                          "qwen3_research.export) or use checkpoint.export_hf=false")
 
 
 def tp_plan(plan: dict, root: nn.Module, no_parallel) -> dict:

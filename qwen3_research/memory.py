@@ -40,9 +40,23 @@ def peak_tracker():
     4B trace. The whole-rank peak and its per-category snapshot are updated exactly as upstream
     does (``_update_peak_stats``, second loop); per-module peaks, which nothing here reads, are not.
     """
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class PeakTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
+            # Upstream hooks every parameter for its gradient, and register_hook refuses one that takes none (a
+            # LoRA run's frozen base): the same hooks, on the parameters that get a gradient
+            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                def on_grad(grad) -> None:
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                for p in module.parameters():
+                    if p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                        self._param_to_grad_hook_handles[p] = (
+                            p.register_hook(on_grad), p.register_post_accumulate_grad_hook(lambda q: on_grad(q.grad)))
+            return out
+
         def _pre_fw_hook(self, module, inputs) -> None:
             # A second forward of the root module in one tracked step (training.grad_accum > 1) is refused upstream
             # ("multiple iterative calls"; fix: reset_mod_stats). Only per-module stats are reset, which nothing

@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwen3_research import compiling, models, parallel, tables, titan
+from qwen3_research import compiling, lora_params, models, parallel, tables, titan
 from qwen3_research import devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
@@ -64,6 +64,7 @@ class Plan:
     predicted_step_s: float | None = None  # cuda: FLOPs per step / (dense bf16 peak x the measured MFU)
     step_line: str = ""
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
+    lora_line: str = ""  # model.lora: the adapters (trainable) and the frozen base, by the closed form's count
 
     @property
     def peak(self) -> int:
@@ -230,7 +231,8 @@ def evenly_sharded(model) -> bool:
 
 # -- the closed form ---------------------------------------------------------------------------
 def estimate(run: ResolvedRun) -> dict:
-    """Bytes per rank by formula (fp32 weights, AdamW): a cross-check of the trace, not the prediction."""
+    """Bytes per rank by formula (fp32 weights, AdamW; with LoRA, gradients and AdamW state for the adapters only):
+    a cross-check of the trace, not the prediction."""
     rc, degrees, precision = run.rc, run.degrees, run.precision
     f = models.architecture(rc.model)
     if f is None:  # a backend without a closed form (model=hf)
@@ -239,9 +241,14 @@ def estimate(run: ResolvedRun) -> dict:
     attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
     ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
     layer = attn + ffn
-    total = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2) + d
     shard = degrees.dp_shard * degrees.tp
+    # LoRA (model.lora.enable): the base is frozen, so only the adapters have gradients and AdamW state; every
+    # parameter, frozen or not, keeps its float32 bytes.
+    lora = lora_params.count_for(f, rc.model)
+    total = lora.total if lora else lora_params.base_params(f)
+    trainable = lora.adapters if lora else total
     params = 4 * total / shard
+    grads = 4 * trainable / shard
     tokens = rc.data.batch_size * rc.data.seq_len
     tp, sp = degrees.tp, degrees.sequence_parallel
     f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
@@ -268,12 +275,16 @@ def estimate(run: ResolvedRun) -> dict:
     # block's gradients into an fp32 reduce-scatter input (torch's _fsdp_collectives.foreach_reduce).
     s_p = 2 if bf16_params else 4
     root = v * d * (1 if f.tie_embeddings else 2) + d
-    gathered = (s_p * (2 * layer + root) + (4 * layer if bf16_params else 0)) / tp if degrees.dp_shard > 1 else 0
-    out = {"params": params, "grads": params, "optimizer": 2 * params, "activations": layers_act,
+    # (a frozen block has no gradient to cast: LoRA's adapters are too small to count there)
+    grad_cast = 4 * layer if bf16_params and not lora else 0
+    gathered = (s_p * (2 * layer + root) + grad_cast) / tp if degrees.dp_shard > 1 else 0
+    out = {"params": params, "grads": grads, "optimizer": 2 * grads, "activations": layers_act,
            "logits and loss": logits, "fsdp gathered": gathered}
+    if lora:
+        out["lora adapters"] = 4 * lora.adapters / shard  # in params above; the only bytes with grads and state
     # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
     # the AdamW state, created at the first step), whichever is larger.
-    out["peak"] = params + max(layers_act + logits + gathered, 3 * params)
+    out["peak"] = params + max(layers_act + logits + gathered, 3 * grads)
     return {k: int(val) for k, val in out.items()}
 
 
@@ -330,6 +341,12 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     plan = Plan(ranks, cap, source, world, degrees.describe(), run.tokens_per_step, flops, time.perf_counter() - t0, mirrored,
                 planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
     _compile_and_step_time(plan, run, gpu_peak)
+    f = models.architecture(rc.model)
+    lora = lora_params.count_for(f, rc.model) if f is not None else None
+    if lora:
+        plan.lora_line = (f"LoRA: {lora.adapters:,} adapter parameters train ({100 * lora.adapters / lora.total:.2f} %: "
+                          f"{', '.join(lora.projections)} in each of {f.n_layers} layers); {lora.frozen:,} frozen "
+                          "(float32 bytes, no gradients, no AdamW state)")
     return plan
 
 
@@ -376,7 +393,7 @@ def render(plan: Plan) -> str:
         if key == "params" and any(r.param_shards is not None and (r.params_max or 0) > r.param_shards
                                    for _, r in cols):  # FSDP's gathered copies (bf16 under mixed_precision=bf16)
             body.append(["most gathered", *(g((r.params_max or 0) - (r.param_shards or 0)) for _, r in cols), "-"])
-    for key in ("logits and loss", "fsdp gathered", "kernel saved"):
+    for key in ("lora adapters", "logits and loss", "fsdp gathered", "kernel saved"):
         if key in est:  # a closed-form term the traced rows already hold
             body.append([key, *([""] * (len(cols) - 1)), "(in the above)", g(est[key])])
     body.append(["peak (live tensors)", *(g(r.peak) for _, r in cols), g(est["peak"]) if est else "-"])
@@ -391,6 +408,8 @@ def render(plan: Plan) -> str:
     elif plan.planned_for:
         lines.append(f"planned for device={plan.planned_for} ({plan.capacity_source}), which this host does not have: "
                      "traced on fake CPU tensors; nothing ran on a GPU")
+    if plan.lora_line:
+        lines.append(plan.lora_line)
     if plan.compile_line:
         lines.append(plan.compile_line)
     if plan.step_line:

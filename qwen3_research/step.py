@@ -13,6 +13,7 @@ The Trainer (``qwen3_research.trainer``) is the loop over a ``Step``: checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from qwen3_research import compiling, lora, models, parallel, startup, titan
 from qwen3_research import devices
@@ -299,7 +301,12 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         cfg.model, where.device.torch_device, seq_len=cfg.data.seq_len, seed=cfg.training.seed,
         tt_parallelism=tt.parallelism, tokenizer=tokenizer, load_init_from=not where.trace,
     )
-    adapters = lora.apply_lora(backend, cfg.model.lora) if cfg.model.lora.enable else None
+    # The plan traces on fake tensors, and PEFT moves each new adapter to its base's device with Module.to, which
+    # cannot swap a fake Parameter (torch 2.14: "Cannot swap t1 because it has weakref"): a plan's adapters are
+    # made as real CPU tensors (rank x (in + out) per projection: 175 MB for 8B at rank 16), sharded and traced
+    # like the rest from there
+    with unset_fake_temporarily() if where.trace else contextlib.nullcontext():
+        adapters = lora.apply_lora(backend, cfg.model.lora) if cfg.model.lora.enable else None
     if adapters is not None and is_main and not where.trace:
         print(f"lora: rank {cfg.model.lora.rank} on {adapters['modules']} modules ({','.join(adapters['targets'])})"
               + (f"; {','.join(adapters['unmatched'])} match nothing here (MoE experts are frozen)"

@@ -21,6 +21,7 @@ import torch
 from qwen3_research import allocator, compiling
 from qwen3_research.errors import ConfigError, TrainingError  # noqa: F401  (re-exported for callers)
 from qwen3_research.run.export_hf import export_trained, held_out_inputs
+from qwen3_research.run.export_peft import export_lora
 from qwen3_research.metrics import mfu, tokens_per_second
 from qwen3_research.memory import track_step
 from qwen3_research.profiling import Profiler, artifact_groups, is_out_of_memory
@@ -260,11 +261,14 @@ class Trainer:
                 self.sinks.artifact(kind, paths)
 
     def export_hf(self) -> dict | None:
-        """The trained model -> ``<run dir>/hf``, verified (collective)."""
+        """The trained model -> ``<run dir>/hf``, verified (collective); a LoRA run also its PEFT adapter in
+        ``<run dir>/hf_adapter``, ``hf`` then being the merged model (run/export_peft.py)."""
         step = self.step
-        return export_trained(step.backend, self.run_dir / "hf", inputs=held_out_inputs(step.data),
-                              device=self.where.device.torch_device, tokenizer=step.tokenizer,
-                              cfg=self.cfg, precision=self.run.precision)
+        common = dict(inputs=held_out_inputs(step.data), device=self.where.device.torch_device,
+                      tokenizer=step.tokenizer, cfg=self.cfg, precision=self.run.precision)
+        if self.cfg.model.lora.enable:
+            return export_lora(step.backend, self.run_dir, **common)
+        return export_trained(step.backend, self.run_dir / "hf", **common)
 
     def _record(self, loss: float, grad_norm: float, lr: float, dt: float, tokens_per_step: int) -> dict:
         step, state, world_size = self.step, self.step.state, self.where.world_size

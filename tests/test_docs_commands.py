@@ -2,7 +2,8 @@
 
 The commands are PARSED FROM THE DOCS, never copied here: every shell line of README's "Trainium hosts" section,
 every line of README and of the docs/ pages that asks for ``device=neuron`` (but a Slurm submission, which needs a
-cluster of trn2 nodes), every line of docs/TRAINIUM.md and of docs/KERNELS.md's "First commands on a trn2 host".
+cluster of trn2 nodes), every line of docs/TRAINIUM.md, of docs/FINETUNING.md's shell blocks and of docs/KERNELS.md's "First commands on a
+trn2 host".
 Each project command runs, as written (its ``VAR=value`` prefix included), on a simulated trn2.48xlarge
 (tests/neuron_host_double.py: test doubles of torch_neuronx, neuron-ls, fi_info, the driver's sysfs file and the
 aws-neuronx packages; 64 logical cores at LNC=2, 24 GiB each) with the test hook
@@ -91,6 +92,9 @@ def documented_commands() -> list[DocCommand]:
         cmds += _commands(block, "README.md 'Trainium hosts'")
     for block in _blocks((ROOT / "docs" / "TRAINIUM.md").read_text()):
         cmds += _commands(block, "docs/TRAINIUM.md")
+    # docs/FINETUNING.md's shell blocks (its python block is what a user runs after, not a command)
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "FINETUNING.md").read_text(), flags=re.S):
+        cmds += _commands(block, "docs/FINETUNING.md")
     kernels = _section((ROOT / "docs" / "KERNELS.md").read_text(), "### First commands on a trn2 host")
     for block in _blocks(kernels):
         cmds += _commands(block, "docs/KERNELS.md 'First commands on a trn2 host'")

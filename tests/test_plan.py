@@ -286,3 +286,27 @@ def test_interrupted_sweep_runs_only_the_remaining_points(tmp_path):
         else:
             assert [r["step"] for r in read_metrics(p) if "loss" in r] == [1, 2]
     assert "4 ok; report:" in again.stdout
+
+
+
+@pytest.mark.slow  # 28 s on the shared 2 cores: one trace, most of it importing PEFT and transformers
+def test_lora_plan_traces_only_the_adapters_with_adamw_state():
+    """Issue 41 (planner): a LoRA run is traced as it runs (its frozen base without gradients or AdamW state) and the
+    closed form counts the same. tiny, one rank, in this process (one trace). Expected, from the architecture: the
+    adapters are rank 16 x (in + out) on q, k, v, o, gate, up, down in each of 4 layers = 155,648 parameters in 56
+    tensors, so AdamW holds 8 B per adapter parameter plus its float32 step per tensor (1,245,408 B; full training:
+    8 x 20.4M); the parameter bytes are the base's and the adapters' (traced = closed form). Fails if the trace breaks
+    on the frozen base (it did: PEFT's Module.to on fake tensors, MemTracker's gradient hooks) or if the optimizer or
+    the closed form's gradients count the base."""
+    from qwen3_research import planner
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.resolve import resolve_run
+
+    run = resolve_run(compose_resolved(["data.seq_len=32", "data.batch_size=1", "device.memory_gib=8",
+                                        "model.lora.enable=true"]), plan=True)
+    plan = planner.make_plan(run)
+    r0, adapters = plan.ranks[0], 155_648
+    print(f"\n{plan.lora_line}\ntraced {r0.traced}\nclosed form {r0.estimate}")
+    assert r0.traced["optimizer"] == 8 * adapters + 4 * 56 and r0.estimate["optimizer"] == 8 * adapters, r0.traced
+    assert r0.estimate["grads"] == 4 * adapters and r0.traced["params"] == r0.estimate["params"], r0.estimate
+    assert plan.lora_line.startswith("LoRA: 155,648 adapter parameters train")

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from qwen3_research import devices
-from qwen3_research import models, titan
+from qwen3_research import lora, models, titan
 from qwen3_research.config import to_run_config
 from qwen3_research.data import PackedDataset, Tokenizer, tokenizer_path
 from qwen3_research.errors import ConfigError, check_writable, root_cause
@@ -84,6 +84,8 @@ def _float32_copy(backend, cfg):
         return None
     copy = models.build(cfg.model, torch.device("cpu"), seq_len=cfg.data.seq_len, seed=cfg.training.seed,
                         load_init_from=False)
+    if cfg.model.lora.enable:  # the same adapters' modules as the trained model, before its weights exist
+        lora.apply_lora(copy, cfg.model.lora)
     if hasattr(copy, "materialize"):
         copy.materialize()
     copy.model.load_state_dict(full, strict=True)
@@ -101,6 +103,14 @@ def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torc
     Collective: the reference forward (or the copy's gather) on every rank, then the sharded write and verification.
     ``tokenizer``: the run's (``data.Tokenizer``: its file and end-of-text id go with the export).
     """
+    logits, dtype = trained_reference(backend, inputs, device=device, cfg=cfg, precision=precision)
+    return backend.export_hf(out_dir, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
+                             reference_logits=logits, compute_dtype=dtype)
+
+
+def trained_reference(backend, inputs: torch.Tensor, *, device: torch.device, cfg, precision) -> tuple[torch.Tensor, str]:
+    """(the trained model's float32 logits on ``inputs`` on CPU, the dtype they were computed in), as ``export_trained``
+    and the LoRA export (``run/export_peft.py``) verify against; collective (rank 0's are empty under bf16 FSDP2)."""
     model = backend.model
     model.eval()
     if precision.param_dtype == "bfloat16":
@@ -113,9 +123,7 @@ def export_trained(backend, out_dir: Path, *, inputs: torch.Tensor, device: torc
     else:
         logits, dtype = reference_logits(backend, inputs.to(device), compute_dtype(cfg, backend))
     model.train()
-    logits = logits.cpu()
-    return backend.export_hf(out_dir, tokenizer_json=tokenizer.path, eos_id=tokenizer.eos_id, inputs=inputs,
-                             reference_logits=logits, compute_dtype=dtype)
+    return logits.cpu(), dtype
 
 
 # -- from a saved checkpoint (python -m qwen3_research.export) ---------------------------------
