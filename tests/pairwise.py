@@ -48,13 +48,9 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "compile": {"off": ["compile.enable=false"], "on": ["compile.enable=true"]},
     "attention": {"sdpa": [], "flex": ["model.attention=flex"]},
     # issue 41: conversations (the default chitchat corpus, 64 of them, rendered with the run's tokenizer's chat
-    # template, the loss on the assistant's turns) packed one per document, or padded one per window; LoRA adapters
-    # (PEFT's, rank 16 on every attention and MLP projection) on a frozen base
-    "data": {
-        "text": [],
-        "chat": ["data=chat", "data.max_documents=64", "data.seq_len=128"],
-        "chat_padded": ["data=chat", "data.max_documents=64", "data.seq_len=128", "data.packing=false"],
-    },
+    # template, the loss on the assistant's turns, packed one per document; packed = padded per conversation is
+    # tests/test_chat.py's); LoRA adapters (PEFT's, rank 16 on every attention and MLP projection) on a frozen base
+    "data": {"text": [], "chat": ["data=chat", "data.max_documents=64", "data.seq_len=128"]},
     "lora": {"off": [], "on": ["model.lora.enable=true"]},
 }
 
@@ -83,7 +79,7 @@ COST = {
     "precision": {"fp32": 1.0, "bf16": 1.5},
     "lifecycle": {"plain": 1.0, "resume": 2.0, "export": 1.4},
     "compile": {"off": 1.0, "on": 3.0},
-    "data": {"text": 1.0, "chat": 2.0, "chat_padded": 2.0},  # 4x the tokens per window (seq 128), and the rendering
+    "data": {"text": 1.0, "chat": 2.0},  # 4x the tokens per window (seq 128), and the rendering
 }
 # The factors this round's failures lived in (issue 40): the generator prefers cells that also cover their triples.
 TRIPLE_FACTORS = ("layout", "precision", "model", "lifecycle")
@@ -163,7 +159,7 @@ def cell_cost(cell: dict[str, str]) -> float:
 
 
 # The generator's knobs, chosen by ``python -m tests.pairwise --search`` (the cheapest full cover it found).
-ALPHA, SEED = 0.5, 51
+ALPHA, SEED = 0.5, 49
 
 
 def covering_set(factors: dict[str, dict[str, list[str]]] = FACTORS, *, alpha: float | None = None,

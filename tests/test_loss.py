@@ -109,10 +109,11 @@ def test_chunked_loss_matches_full_hf(tmp_path):
     assert_same(*run_case(["model=hf", f"model.path={ckpt}"], tmp_path))
 
 
+# Chunked × fsdp and chunked × a MoE under tp2 are the pairwise matrix's (losses and grad norms against a one-process
+# twin with the full loss, every step: docs/PAIRWISE.md); the vocabulary-parallel path of each backend is here.
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(MODELS))
-def test_chunked_loss_matches_full_tp2(model, tmp_path):
-    losses, grads = run_case(MODELS[model] + ["parallelism=tp2"], tmp_path, world=2)
+def test_chunked_loss_matches_full_tp2(tmp_path):
+    losses, grads = run_case(MODELS["native"] + ["parallelism=tp2"], tmp_path, world=2)
     assert "Shard(dim=0)" in losses["lm_head_placements"]  # vocabulary-parallel path: no rank holds all logits
     assert_same(losses, grads)
 
@@ -125,11 +126,6 @@ def test_chunked_loss_matches_full_hf_tp2(tmp_path):
     losses, grads = run_case(["model=hf", f"model.path={ckpt}", "parallelism=tp2"], tmp_path, world=2)
     assert "Shard(dim=0)" in losses["lm_head_placements"]
     assert_same(losses, grads)
-
-
-@pytest.mark.slow
-def test_chunked_loss_matches_full_fsdp(tmp_path):
-    assert_same(*run_case(["model=native", "parallelism=fsdp"], tmp_path, world=2))
 
 
 def test_loss_options_are_validated():

@@ -183,9 +183,9 @@ def test_the_planner_builds_the_runs_step_and_rewrites_nothing(fault_hook, monke
     fault_hook("raise@1")
     faulty = Step.forward_backward
 
-    def counted(self, batch):
+    def counted(self, batch, tokens):
         traced.append(self.where.trace)
-        return faulty(self, batch)
+        return faulty(self, batch, tokens)
 
     monkeypatch.setattr(Step, "forward_backward", counted)
 

@@ -118,15 +118,15 @@ def fault_methods(step_class, spec: str) -> dict:
     forward_backward, evaluate = step_class.forward_backward, step_class.evaluate
 
     @functools.wraps(forward_backward)
-    def faulty_forward_backward(self, batch):
+    def faulty_forward_backward(self, batch, tokens):
         step, rank = self.state.step + 1, self.where.rank
         what = None if self.where.trace else _due(spec, ("raise", "nan", "kill", "oom"), step, rank)
         if what is None:
-            return forward_backward(self, batch)
+            return forward_backward(self, batch, tokens)
         loss = self.loss  # the fault acts on the micro-batch's loss, before its backward
         self.loss = lambda *a, **k: _inject_fault(what, spec, step, rank, loss(*a, **k))
         try:
-            return forward_backward(self, batch)
+            return forward_backward(self, batch, tokens)
         finally:
             del self.loss
 
