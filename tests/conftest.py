@@ -182,8 +182,9 @@ def pytest_runtest_logreport(report):
     """QWEN3_TEST_TIMES=FILE: each phase's seconds appended as it ends (``--durations`` prints only when the whole
     run ends), in ``--durations=0``'s line format, for tests/file_costs.py."""
     path = os.environ.get("QWEN3_TEST_TIMES")
-    # Under xdist the controller gets each worker's reports again: only the process that ran the test writes.
-    if path and (os.environ.get("PYTEST_XDIST_WORKER") or not _XDIST_WORKERS > 1):
+    # Under xdist the controller gets each worker's reports again (each carries its worker's ``node``): only the
+    # process that ran the test writes.
+    if path and not hasattr(report, "node"):
         with open(path, "a") as f:
             f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
 

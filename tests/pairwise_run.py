@@ -46,23 +46,27 @@ TABLE = ROOT / "docs" / "PAIRWISE.md"
 # - fp32, dense or hf, eager: the same math in another reduction order (a reduce-scatter's or a sharded matmul's sum,
 #   micro-batches summed): [loss 1.9e-6 = 2 ulp at 12, grad norm 5e-6];
 # - fp32 MoE: as above, and the experts' grouped matmuls split over ranks: [1.1e-5, 9.5e-5];
+# - fp32 MoE with kernels=fast/reference or compiled: torchtitan's experts run a bf16 grouped matmul in every
+#   precision; moe_fast / moe_reference compute them in fp32, and a compiled block fuses them otherwise, so the
+#   difference from the eager twin is bf16 rounding carried through the router [tp2_nosp, moe_fast: 2.0e-4, 1.3e-3];
 # - kernels=fast/reference in fp32: another implementation of the same math: [9.5e-7, 7.3e-6];
 # - compile (fp32): Inductor's fused kernels reorder float sums: [9.5e-7, 5e-6];
 # - bf16: FSDP2's or TP's bf16 parameters against one process's autocast over fp32 weights, or bf16 kernels:
-#   [9.8e-4, 1.2e-3]. Step 1's update moves step 2's loss by ~2e-2, so each tolerance sees a step that did nothing.
-TOLERANCES = {"fp32": (1e-5, 5e-5), "fp32_moe": (1e-4, 1e-3), "kernels": (1e-5, 1e-4), "compile": (1e-5, 1e-4),
-              "bf16": (5e-3, 1e-2)}
+#   [9.8e-4, 1.2e-3], 1e-2 / 2e-2: another CPU's bf16 units (AVX512-BF16, AMX) round differently than this one's
+#   emulation. Step 1's update moves step 2's loss by ~2e-2, so each tolerance sees a step that did nothing.
+TOLERANCES = {"fp32": (1e-5, 5e-5), "fp32_moe": (1e-4, 1e-3), "moe_kernels": (2e-3, 1e-2), "kernels": (1e-5, 1e-4),
+              "compile": (1e-5, 1e-4), "bf16": (1e-2, 2e-2)}
 # bf16 (or compile) moves near-tie router scores: a few of a layer's picks land on another expert [3.9 %].
-MOVED_PICKS = {"bf16": 0.10, "compile": 0.10}
+MOVED_PICKS = {"bf16": 0.10, "compile": 0.10, "moe_kernels": 0.10}
 
 
 def tolerance_class(cell: dict[str, str]) -> str:
     if cell["precision"] == "bf16":
         return "bf16"
+    if cell["model"] == "native_moe":
+        return "moe_kernels" if cell["kernels"] != "none" or cell["compile"] == "on" else "fp32_moe"
     if cell["compile"] == "on":
         return "compile"
-    if cell["model"] == "native_moe":
-        return "fp32_moe"
     return "kernels" if cell["kernels"] != "none" else "fp32"
 
 
@@ -215,7 +219,7 @@ def header() -> list[str]:
             f"{' × '.join(pairwise.TRIPLE_FACTORS)}: {len(triples)} of {len(pairwise.valid_triples())} valid triples "
             "covered (not all: a 3-wise set would need about twice the cells).", "",
             "Twin tolerances (loss |a - b| / grad norm relative, every step; MoE: each layer's token count per expert "
-            "equal in fp32, at most 10 % of the picks moved in bf16 or compiled), by what differs from the twin "
+            "equal in fp32, at most 10 % of the picks moved in bf16, compiled or with a MoE kernel), by what differs from the twin "
             f"(`tests/pairwise_run.py` gives the largest differences measured): {tol}.", "",
             "| # | " + " | ".join(names) + " | outcome |", "|---" * (len(names) + 2) + "|"]
 

@@ -189,7 +189,7 @@ def test_only_experiment_options_are_global():
         for path in (Path(CONF_DIR) / group).glob("*.yaml"):
             assert "@package" not in path.read_text(), f"{path}: a group option writes only its own section"
     experiments = options("experiment")
-    assert experiments == ["sft", "trn2_qwen3_8b", "trn2_smoke"]  # sft: data=chat on CPU (issue 41)
+    assert experiments == ["sft", "trn2_lora", "trn2_qwen3_8b", "trn2_smoke"]  # sft, trn2_lora: issue 41
     for name in experiments:
         assert (Path(CONF_DIR) / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_\n")
 

@@ -11,9 +11,9 @@ module gets bf16 weights and bf16 activations and no autocast).
   always compute in bf16, so every MoE comparison is held to the bf16 tolerance (2e-2 of the largest reference
   value); RoPE in fp32 to 1e-5. Each also checks the fp32 reference's closeness in fp32 (tests/test_kernels.py).
 * Multi-rank cells (layouts ``fsdp2``, ``ep2`` for MoE kernels, ``tp2`` for RoPE): 2-step runs of the real CLI
-  (tiny MoE, 2 × 32 tokens) with ``kernels=fast`` (moe_fast + rope_fast; ``kernels.force=true`` so the kernels
-  run whatever the measurements say) against the ``kernels=none`` twin; losses within 1e-3 (fp32: torchtitan's
-  bf16 experts vs moe_fast's fp32) or 5e-3 (bf16). ``slow`` (they still run in CI).
+  with ``kernels=fast`` (``kernels.force=true``) against a one-process ``kernels=none`` twin, in the pairwise matrix
+  (tests/pairwise_run.py: kernels=fast meets every layout and both precisions); kernels=reference on fsdp2 and tp2
+  in fp32: tests/test_kernels.py::test_kernels_multi_process.
 * CUDA-only kernels (``triton_*``) are in the same matrix where a GPU is present, skipped with the reason
   otherwise; NKI kernels are skipped with the reason (their contract tests: tests/test_nki_contract.py).
 
@@ -73,7 +73,7 @@ def _skip_reason(kernel: str) -> str | None:
 # The multi-rank cells of kernels=fast (moe_fast + rope_fast) run in the pairwise matrix (tests/pairwise.py,
 # docs/PAIRWISE.md): kernels=fast meets every layout and both precisions in 2-rank CLI runs compared with a
 # one-process kernels=none twin, step by step, on losses, grad norms and per-layer expert token counts (fp32 at
-# 1e-5, 1e-4 for a MoE; bf16 at 5e-3); they were 2-rank CLI runs here too (8 runs, ~6 CPU-minutes of CI).
+# 1e-5, a MoE at 2e-3: the twin's experts run bf16; bf16 at 1e-2); they were 2-rank CLI runs here too (8 runs).
 CLI_COVERS = {"moe_fast", "rope_fast"}
 
 
