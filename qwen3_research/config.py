@@ -734,10 +734,11 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
         raise ConfigError(f"sweep.plan={cfg.sweep.plan!r} is not one of true, false, fit")
     _positive("training.loss_chunk_tokens", t.loss_chunk_tokens)
     _validate_profiling(cfg.profiling, t.steps)
-    if cfg.device.memory_gib is not None and cfg.device.memory_gib <= 0:
+    if cfg.device.memory_gib is not None and not 0 < cfg.device.memory_gib <= 2**20:  # 1 PiB: the plan printed
+        # 1e308 with its 309 digits, and no device has it
         raise ConfigError(
-            f"device.memory_gib must be > 0 (GiB per rank, e.g. 24 for a trn2 rank at LNC=2), got "
-            f"{cfg.device.memory_gib}; or leave it unset to use the detected capacity"
+            f"device.memory_gib must be in (0, 1048576] (GiB per rank, e.g. 24 for a trn2 rank at LNC=2), got "
+            f"{cfg.device.memory_gib:g}; or leave it unset to use the detected capacity"
         )
     return cfg
 

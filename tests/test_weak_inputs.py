@@ -38,8 +38,9 @@ def lines(text: str) -> list[str]:
     ("compile.enable=0", "compile.enable must be auto, true or false, got 0: write compile.enable=false"),
     # issue 40: trained into NaN weights, and the NaN policy's message advised lowering optimizer.lr
     ("optimizer.weight_decay=1e308", "optimizer.weight_decay=1e+308 with optimizer.lr=0.003: AdamW multiplies every"),
+    ("device.memory_gib=1e308", "device.memory_gib must be in (0, 1048576] (GiB per rank"),  # the plan printed 309 digits
 ], ids=["lr", "rdzv-timeout", "global-batch-tokens", "wandb-init-timeout", "bias-coef", "compile-1", "compile-0",
-        "weight-decay"])
+        "weight-decay", "memory-gib"])
 def test_a_value_out_of_range_is_one_config_error(override, start):
     with pytest.raises(ConfigError) as e:
         validate(compose(["model=native_moe", override] if "moe" in override else [override]))
