@@ -69,15 +69,7 @@ def file_records(pattern: str):
 
 
 def hf_records(h):
-    import datasets  # deferred: start-up (datasets loads pyarrow; only data=chat with data.hf.name reads it)
-
-    try:
-        ds = datasets.load_dataset(h.name, h.config_name, split=h.split, streaming=h.streaming)
-    except Exception as e:  # datasets raises many types; the message is what matters
-        raise ConfigError(f"data.hf.name={h.name!r}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    for i, row in enumerate(ds):
-        if h.max_documents is not None and i >= h.max_documents:
-            break
+    for i, row in token_stream.dataset_rows(h):
         yield f"data.hf.name={h.name} row {i}", row
 
 

@@ -165,15 +165,7 @@ def file_documents(pattern: str, text_field: str) -> list[tuple[str, str]]:
 def hf_documents(cfg):
     """(name, text) of a datasets source, one row at a time (``data.hf.streaming``: datasets' IterableDataset,
     nothing downloaded up front), never listed: ``token_stream`` tokenizes them a chunk at a time."""
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split, streaming=cfg.streaming)
-    except Exception as e:  # datasets raises many types; the message is what matters
-        raise ConfigError(f"data.hf.name={cfg.name!r}: cannot load ({type(e).__name__}: {e})") from None
-    for i, row in enumerate(ds):
-        if cfg.max_documents is not None and i >= cfg.max_documents:
-            break
+    for i, row in token_stream.dataset_rows(cfg):
         if cfg.text_field not in row:
             raise ConfigError(f"data.hf.text_field={cfg.text_field!r} not in dataset columns {sorted(row)}")
         yield f"{cfg.name}:{i}", _text(row[cfg.text_field], f"data.hf.text_field={cfg.text_field!r}", f"{cfg.name} row {i}")

@@ -149,7 +149,7 @@ class Step:
             self.optimizer_step()
             self.state.step += 1
             return None
-        counts = [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
+        counts = [label_tokens(b) for b in batches]
         n_step = int(self.all_reduce_sum(torch.tensor([float(sum(counts))], device=self.torch_device))[0])
         total = torch.zeros(2, device=self.torch_device)  # the label tokens' summed loss, their count
         for batch, n in zip(batches, counts):
@@ -260,7 +260,7 @@ class Step:
         try:
             for b in batches:
                 positions = None if b.positions is None else b.positions.to(self.torch_device)
-                n = int((b.labels != IGNORE_INDEX).sum())
+                n = label_tokens(b)
                 if n:
                     total[0] += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions) * n
                     total[1] += n
@@ -271,6 +271,11 @@ class Step:
             parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
         total = self.all_reduce_sum(total)  # the mean over every held-out label token, as the training loss
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def label_tokens(batch) -> int:
+    """The tokens of a batch that are in the loss (labels the data did not set to IGNORE_INDEX)."""
+    return int((batch.labels != IGNORE_INDEX).sum())
 
 
 def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> Step:

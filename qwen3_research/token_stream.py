@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import filelock
 import numpy as np
 
-from qwen3_research.errors import TrainingError, write_failure
+from qwen3_research.errors import ConfigError, TrainingError, write_failure
 
 CHUNK_DOCS = 256  # documents tokenized at once: what bounds memory (with datasets' own read buffer)
 META = "meta.json"
@@ -120,3 +120,19 @@ def windows(path: Path, window: int) -> np.ndarray:
     if n == 0:
         return np.zeros((0, window), dtype=np.int32)
     return np.memmap(path, dtype=np.int32, mode="r", shape=(n * window,)).reshape(n, window)
+
+
+def dataset_rows(h) -> Iterator[tuple[int, dict]]:
+    """(index, row) of ``data.hf``'s dataset, at most ``h.max_documents`` of them, one at a time (``h.streaming``:
+    datasets' IterableDataset, nothing downloaded up front). A dataset that does not load is one ConfigError line.
+    Both readers of data.hf use it: raw text (data.py) and conversations (chat_sources.py)."""
+    import datasets  # deferred: start-up (datasets loads pyarrow; only a run reading data.hf.name needs it)
+
+    try:
+        ds = datasets.load_dataset(h.name, h.config_name, split=h.split, streaming=h.streaming)
+    except Exception as e:  # datasets raises many types; the message is what matters
+        raise ConfigError(f"data.hf.name={h.name!r}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    for i, row in enumerate(ds):
+        if h.max_documents is not None and i >= h.max_documents:
+            break
+        yield i, row

@@ -88,7 +88,7 @@ TRIPLE_FACTORS = ("layout", "precision", "model", "lifecycle")
 def refusal(cell: dict[str, str]) -> str | None:
     """Why a combination (every factor set) is refused on a CPU host, or None when it runs."""
     for cond, why in RULES:
-        if all(cell[f] in vals for f, vals in cond.items()):
+        if all(cell.get(f) in vals for f, vals in cond.items()):
             return why
     return None
 
@@ -96,12 +96,9 @@ def refusal(cell: dict[str, str]) -> str | None:
 def _completable(partial: dict[str, str], factors: dict[str, dict[str, list[str]]]) -> bool:
     """Some valid combination extends ``partial``: only the unset factors that a rule names can matter."""
     free = sorted({f for cond, _ in RULES for f in cond if f not in partial})
-    for values in itertools.product(*(list(factors[f]) for f in free)):
-        trial = {**partial, **dict(zip(free, values))}
-        if not any(all(f in trial and trial[f] in vals for f, vals in cond.items())
-                   and all(f in trial for f in cond) for cond, _ in RULES):
-            return True
-    return False
+    # every factor a rule names is set in each trial, so refusal() decides it as for a whole combination
+    return any(refusal({**partial, **dict(zip(free, values))}) is None
+               for values in itertools.product(*(list(factors[f]) for f in free)))
 
 
 def _pairs(cell: dict[str, str]) -> set[tuple[str, str, str, str]]:

@@ -190,6 +190,12 @@ def compare_with_twin(cell: dict[str, str], rows: list[dict], twin_rows: list[di
 CELLS = pairwise.covering_set() + pairwise.refusal_cells()
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """The model=hf cells' checkpoint (each half's module makes its own: the halves run in different workers)."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_tiny", moe=False)
+
+
 def half(k: int) -> list[int]:
     """The cells of half ``k`` (0: tests/test_pairwise_a.py, 1: tests/test_pairwise_b.py): the longest first, each to
     the half with the least estimated cost so far, so that the two pytest workers end together."""

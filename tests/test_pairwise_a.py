@@ -3,22 +3,14 @@ docs/PAIRWISE.md is the table). The matrix is split in two files so that the two
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.pairwise_run import check_rows, half, run_and_record
-from tests.test_hf import write_hf_checkpoint
+from tests.pairwise_run import check_rows, half, hf_dir, run_and_record  # noqa: F401 (hf_dir: a fixture)
 
 pytestmark = pytest.mark.slow
 
 MINE = half(0)
 RESULTS: dict[int, str] = {}  # cell -> its table outcome, as the cells of this file run
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    return write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_tiny", moe=False)
 
 
 @pytest.mark.parametrize("i", MINE)
