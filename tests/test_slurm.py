@@ -139,6 +139,8 @@ def test_requeued_job_resumes_into_the_same_run(slurm_cluster, tmp_path):
             time.sleep(0.2)
         assert submit.poll() is None, "the job ended before it could be requeued"
         (job,) = _job_ids(sweep)
+        if steps_before < 2:  # requeued before its first checkpoint, the test would prove nothing of a resume
+            pytest.fail(f"the job logged {steps_before} steps in 240 s:\n{slurm_cluster.diagnosis(job, sweep)}")
         rq = slurm_cluster.run(["scontrol", "requeue", job])
         print(f"scontrol requeue {job} after {steps_before} logged steps: rc {rq.returncode} {rq.stderr.strip()}")
         assert rq.returncode == 0

@@ -416,6 +416,12 @@ def test_a_point_dir_a_live_run_holds_is_refused_and_a_dead_owners_attempt_is_mo
     try:
         with pytest.raises(ConfigError) as e:
             prepare_point(cfg, str(point), ["training.seed=1"], str(sweep))
+        # A multi-node Slurm job's other node joins node 0's live run: it neither refuses nor moves anything (CI at
+        # 7965eb9: node 2 refused node 0's lock with exit 2, and node 0 waited for it until the requeue)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_NODEID", "1")
+            prepare_point(cfg, str(point), ["training.seed=1"], str(sweep))
+        assert not (sweep / ".previous_attempts").exists() and _tree(point) == before
     finally:
         holder.kill()
         holder.wait()

@@ -13,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from qwen3_research import devices, overrides
+from qwen3_research import devices, overrides, slurm
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
 from qwen3_research.config import WandbConfig
 from qwen3_research.errors import ConfigError
@@ -402,7 +402,12 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
     process holds (its run-dir lock) is refused: ConfigError, nothing moved.
     """
     run_path = Path(run_dir)
-    refuse_a_live_point(run_path)  # an earlier attempt is moved aside (or resumed) only when its owner is gone
+    # A multi-node Slurm job runs this task on every node, and node 0's ranks own the point directory (they write its
+    # run files and hold its lock): another node only reads it. It must neither take node 0's live lock for another
+    # process's nor move node 0's fresh files aside (a requeue test saw node 2 exit 2 on that lock, stalling node 0).
+    owner = slurm.node_rank() == 0
+    if owner:
+        refuse_a_live_point(run_path)  # an earlier attempt is moved aside (or resumed) only when its owner is gone
     summary_path = run_path / "summary.json"
     if cfg.sweep.resume and summary_path.is_file():
         try:
@@ -422,7 +427,7 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
     if plan_path.is_file():
         entry = json.loads(plan_path.read_text()).get(_point_key(task_overrides), {})
     prediction = {k: v for k, v in entry.items() if k not in ("num", "overrides")}
-    if run_path.is_dir():
+    if owner and run_path.is_dir():
         moved = _move_previous_attempt(run_path)
         if moved is not None:
             print(f"sweep point {run_path.name}: earlier attempt moved to {moved}", flush=True)
