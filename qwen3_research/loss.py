@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from qwen3_research import devices
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 
@@ -56,6 +59,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        weight_nn = weight  # the right operand of the hidden-state gradient's GEMM, (V_local, D)
+        kind = hidden.device.type
+        if need_grad and (weight.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(kind)) \
+                and devices.slow_16bit_nn_gemm(kind):
+            # one column-major copy per step (the weight's size) for a GEMM that is otherwise ~25x slower: a bf16 CPU
+            # step of tiny went from ~10 s to ~1 s (RESULTS.md row 23); the 16-bit cast keeps the layout
+            weight_nn = weight.t().contiguous().t()
         with torch.no_grad():
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
@@ -81,7 +91,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     g = probs.mul_((torch.exp(peak - lse) * weigh[s:e])[:, None])
                     g.scatter_add_(1, local[s:e, None], -(hit[s:e] * weigh[s:e])[:, None])
                     gh = g.to(hidden.dtype) if hidden.dtype != torch.float32 else g
-                    grad_hidden[s:e] = torch.matmul(gh, weight.to(gh.dtype))
+                    grad_hidden[s:e] = torch.matmul(gh, weight_nn.to(gh.dtype))
                     grad_weight.addmm_(g.t(), h.float())
                     del g, gh
                 del logits, probs
@@ -139,3 +149,24 @@ def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: i
     ``positions``: per-document positions (data.document_masking), passed on to the backend."""
     hidden = backend.hidden_states(inputs) if positions is None else backend.hidden_states(inputs, positions=positions)
     return chunked_cross_entropy(hidden, backend.lm_head_weight(), labels, chunk_tokens)
+
+
+def column_major_lm_head(lm_head: torch.nn.Module, torch_type: str, compute_dtype: torch.dtype) -> bool:
+    """The full loss's lm_head multiplies by a column-major copy of its weight where a 16-bit GEMM with a row-major
+    (V x D) right operand is slow (``devices.slow_16bit_nn_gemm``: ATen's own bf16 GEMM on a CPU without AVX-512).
+    The backward's input gradient is ``grad @ weight``, a reduction over the ~152k vocabulary rows: 5.1 s for 64
+    tokens against 0.19 s with the copy (RESULTS.md row 23). The copy is differentiable (the gradient reaches the
+    weight, tied or not) and made at each call from the weight as FSDP2 gathered it; a vocabulary-parallel DTensor
+    weight (tensor parallel) is left to torch. True when the forward was replaced."""
+    if compute_dtype not in (torch.bfloat16, torch.float16) or not devices.slow_16bit_nn_gemm(torch_type):
+        return False
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = lm_head.weight
+        if isinstance(weight, DTensor):
+            return F.linear(x, weight, lm_head.bias)
+        return F.linear(x, weight.t().contiguous().t(), lm_head.bias)
+
+    lm_head.forward = forward
+    return True
+

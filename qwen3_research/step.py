@@ -31,7 +31,7 @@ from qwen3_research.chat_windows import ChatDataset
 from qwen3_research.data import IGNORE_INDEX, PackedDataset, Tokenizer, data_layout, tokenizer_path
 from qwen3_research.errors import ConfigError, TrainingError
 from qwen3_research.kernels import apply_overrides
-from qwen3_research.loss import lm_loss
+from qwen3_research.loss import column_major_lm_head, lm_loss
 from qwen3_research.memory import gather_objects
 from qwen3_research.optim import build_optimizer
 from qwen3_research.parallel import Degrees
@@ -330,6 +330,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         lora.freeze_base(backend.model)
         if not where.trace:  # after the weights exist (materialized, sharded): seeded by name
             lora.init_adapters(backend.model, cfg.training.seed)
+    column_major_lm_head(backend.lm_head_module(), where.device.torch_device.type, compute_dtype(run))
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))

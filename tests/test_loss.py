@@ -135,3 +135,41 @@ def test_loss_options_are_validated():
                      (["device.memory_gib=0"], "device.memory_gib"), (["device.memory_gib=-3"], "device.memory_gib")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(to_run_config(_compose(bad)))
+
+
+def test_the_lm_head_takes_a_column_major_copy_where_the_device_says_16bit_gemm_is_slow(monkeypatch):
+    """loss.column_major_lm_head (benchmarks/bench_bf16_lm_head.py, RESULTS.md row 23): where
+    devices.slow_16bit_nn_gemm (ATen's own bf16 GEMM on a CPU without AVX-512) and the step computes in 16 bits, the
+    lm_head multiplies by a column-major copy of its weight: the same logits, the same gradients to the (tied)
+    weight and the input, the copy made from the weight as it is at each call; fp32, or a device without the slow
+    GEMM, keeps nn.Linear's forward. Expected: replaced only then, logits equal, gradients within bf16 rounding."""
+    import torch
+
+    from qwen3_research import loss
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)
+    ref, head = torch.nn.Linear(32, 1000, bias=False), torch.nn.Linear(32, 1000, bias=False)
+    head.weight = ref.weight  # one Parameter, as a tied embedding's
+    monkeypatch.setattr(loss.devices, "slow_16bit_nn_gemm", lambda torch_type: False)
+    assert not loss.column_major_lm_head(head, "cpu", torch.bfloat16)
+    monkeypatch.setattr(loss.devices, "slow_16bit_nn_gemm", lambda torch_type: True)
+    assert not loss.column_major_lm_head(head, "cpu", torch.float32)
+    assert "forward" not in vars(head)
+    assert loss.column_major_lm_head(head, "cpu", torch.bfloat16)
+    grads = []
+    for mod in (ref, head):
+        xi = x.clone().requires_grad_()
+        ref.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mod(xi)
+        out.float().square().mean().backward()
+        grads.append((out.detach(), xi.grad, ref.weight.grad.clone()))
+    (o1, gx1, gw1), (o2, gx2, gw2) = grads
+    print(f"\nlogits max |diff| {(o1 - o2).abs().max():.1e}, input grad {(gx1 - gx2).abs().max():.1e}, "
+          f"weight grad {(gw1 - gw2).abs().max():.1e}")
+    assert torch.equal(o1, o2)
+    assert torch.allclose(gx1, gx2, rtol=2e-2, atol=1e-6) and torch.allclose(gw1, gw2, rtol=2e-2, atol=1e-6)
+    with torch.no_grad():
+        ref.weight.mul_(2)  # the copy follows the weight as it is at the call (FSDP2 gathers it anew each step)
+    assert torch.allclose(head(x), ref(x))

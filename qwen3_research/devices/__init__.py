@@ -73,6 +73,13 @@ def device_kind(requested: str = AUTO, argv: list[str] | None = None) -> str:
     return next(k for k in kinds() if get(k).present())
 
 
+def slow_16bit_nn_gemm(torch_type: str) -> bool:
+    """A 16-bit GEMM on this torch device type is slow with a row-major, long-reduction right operand
+    (``DeviceSpec.slow_16bit_nn_gemm``; False for a type no kind registers)."""
+    spec = find(torch_type)
+    return spec is not None and spec.slow_16bit_nn_gemm()
+
+
 def resolve_device_type(requested: str, *, check: bool = True) -> str:
     """The torch-checked kind. auto: the first kind (auto order) available here. ``check``: an explicit kind must be
     available (``spec.available()``, which may import its runtime), else a ConfigError with its fix; without it, the

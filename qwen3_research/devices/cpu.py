@@ -185,6 +185,9 @@ SPEC = register(DeviceSpec(
     torch_device=_torch_device,
     memory=HostMemory,
     peak_flops=_peak_flops,
+    # ATen's own bf16 GEMM runs where oneDNN's needs AVX-512: for (64 x 152k) @ (152k x 64), 5.1 s with a row-major
+    # right operand against 0.19 s with a column-major one (AVX2 EPYC, torch 2.14; benchmarks/RESULTS.md row 23)
+    slow_16bit_nn_gemm=lambda: cpu_isa() == "avx2",
     observed_peak=peaks.raise_cpu_peak,
     device_rows=_device_rows,
     memory_row=_memory_row,

@@ -81,6 +81,9 @@ class DeviceSpec(NamedTuple):
     # reset / current_and_peak / capacity); None: torch's device module's counters
     peak_flops: Callable[[Any, str, Any], float] = lambda dev, key, dtype: 0.0  # (dev, bf16|fp32|tf32, dtype)
     peak_dtype: Callable[[Any], str] = lambda dtype: "fp32"  # (torch dtype of an fp32 run) -> fp32 | tf32
+    # () -> a 16-bit GEMM whose right operand is a row-major (V x D) matrix with V ~ 152k rows to reduce over takes a
+    # slow kernel here, and a column-major copy of it does not (the chunked loss's hidden-state gradient: loss.py)
+    slow_16bit_nn_gemm: Callable[[], bool] = lambda: False
     observed_peak: Callable[[Any, float], float] | None = None  # (dtype, reached FLOP/s) -> raised peak (cpu)
     # -- the doctor (``doctor.DoctorContext`` in, rows out) --------------------------------------------------------
     device_rows: Callable[..., list[Check]] = _no_rows  # the "device" row (MISSING: not usable here) and notes

@@ -40,6 +40,10 @@ class ModelBackend:
     def parallelize(self, parallel_dims, tt) -> None:
         raise NotImplementedError
 
+    def lm_head_module(self) -> torch.nn.Module:
+        """The output projection (an ``nn.Linear`` over the vocabulary)."""
+        raise NotImplementedError
+
     def finalize_single(self, tt) -> None:
         """Single-process path (no sharding): activation checkpointing if asked."""
         titan.apply_activation_checkpointing(self.model, tt)

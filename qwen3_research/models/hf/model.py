@@ -198,6 +198,9 @@ class HFCausalLM(ModelBackend):
         finally:
             self.model.lm_head = lm_head
 
+    def lm_head_module(self) -> nn.Module:
+        return self.model.lm_head
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head.weight
 

@@ -185,6 +185,9 @@ class NativeQwen3(ModelBackend):
         finally:
             inner._skip_lm_head = False
 
+    def lm_head_module(self) -> torch.nn.Module:
+        return getattr(self.model, "_orig_mod", self.model).lm_head
+
     def lm_head_weight(self) -> torch.Tensor:
         """The lm_head weight as the step sees it (FSDP keeps the norm+lm_head unit gathered after forward)."""
-        return getattr(self.model, "_orig_mod", self.model).lm_head.weight
+        return self.lm_head_module().weight
