@@ -26,9 +26,10 @@ BASE = [a for a in FAST if not a.startswith(("training.steps", "training.eval_ev
     f"training.steps={STEPS}", "training.eval_every=2", "training.eval_batches=1",
     "checkpoint.enable=true", "checkpoint.every=2", "logging.wandb.mode=offline",
 ]
+# ep2 only: its checkpoint holds both data-parallel and expert shards. A SIGKILL and resume on fsdp, tp2 and
+# tp2_nosp, each against its one-process twin, are the pairwise matrix's (docs/PAIRWISE.md, lifecycle=resume);
+# fsdp's save, export and resume over 6 steps is tests/test_checkpoint.py's.
 LAYOUTS = {
-    "fsdp": ["parallelism=fsdp"],
-    "tp2": ["parallelism=tp2"],
     "ep2": ["model=native_moe", "parallelism=ep2"],
 }
 

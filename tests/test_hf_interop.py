@@ -207,7 +207,9 @@ def run_worker(tmp_path: Path, hf_dir: Path, moe: bool, layout: list[str], nproc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,moe", [("fsdp", False), ("tp2", False), ("ep2", True)])
+# fsdp: the pairwise matrix loads model=hf from its checkpoint on 2 FSDP ranks and compares every step with one
+# process (docs/PAIRWISE.md); a tensor-parallel load splits each projection, an expert-parallel one the experts.
+@pytest.mark.parametrize("layout,moe", [("tp2", False), ("ep2", True)])
 def test_sharded_load_parity(odd_dirs, tmp_path, layout, moe):
     """2 ranks (gloo): every rank reads only its shards; logits equal transformers' on the same batch."""
     hf_dir = odd_dirs["moe6_top3_tied" if moe else "untied"]

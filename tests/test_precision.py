@@ -14,22 +14,18 @@ ARGS = [a for a in FAST if not a.startswith(("data.batch_size", "logging.wandb",
     "training.mixed_precision=bf16", "data.global_batch_tokens=64", "training.steps=2", "logging.wandb.mode=offline",
     "training.loss=full"]
 FSDP = ["parallelism.nproc_per_node=2", "parallelism.dp_shard=2"]
-# |loss difference| per step, one process (autocast over float32 parameters) vs fsdp over 2 ranks (bf16 parameter
-# copies, the residual stream in bf16): measured 1.6e-4 over 2 steps of tiny on this CPU; float32 parameters
-# in both (autocast on fsdp, the meaning before issue 24) agreed to ~1e-6.
-PARITY_TOL = 5e-3
 PLAN_TOL = 0.15  # the plan's parameter bytes at the peak vs the run's own (the same tracker)
 
 
 @pytest.mark.slow
 def test_bf16_single_process_vs_fsdp_bf16_parameters_and_the_plan(tmp_path):
     single, fsdp = tmp_path / "single", tmp_path / "fsdp"
-    assert_ok(run_cli(ARGS, run_dir=single))
+    # One step of the one-process run is enough for its precision record: the losses of fsdp's bf16 parameters
+    # against one process's autocast, every step, are the pairwise matrix's (docs/PAIRWISE.md: fsdp x bf16 and its
+    # one-process twin), a bf16 step costing ~10 s on a CPU without bf16 units.
+    assert_ok(run_cli([*ARGS, "training.steps=1"], run_dir=single))
     assert_ok(run_cli(ARGS + FSDP + ["training.track_memory=true"], run_dir=fsdp))
-    a, b = train_losses(single), train_losses(fsdp)
-    diff = max(abs(x - y) for x, y in zip(a, b))
-    print(f"bf16 losses one process (autocast) {a}, fsdp 2 ranks (bf16 parameters) {b}, max |diff| {diff:.2e}")
-    assert len(a) == len(b) == 2 and diff <= PARITY_TOL
+    assert len(train_losses(single)) == 1 and len(train_losses(fsdp)) == 2
     summaries = {}
     for run, batch in ((single, 2), (fsdp, 1)):  # 64 tokens = batch × seq_len 32 × dp
         summary = summaries[run] = json.loads((run / "summary.json").read_text())

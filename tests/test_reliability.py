@@ -117,7 +117,10 @@ def _losses_by_step(run_dir) -> dict[int, float]:
 def test_sigkill_at_three_steps_then_resume_is_exact(tmp_path):
     steps = 7
     straight = _uninterrupted(tmp_path, steps)
-    kills = [2, steps]  # the first step with a checkpoint before it, and the last (mid-run kills: test_combinations)
+    # The last step (its checkpoint is the one before it): a kill in step 2, after the first save, is every
+    # resume cell's of the pairwise matrix (docs/PAIRWISE.md) and test_rundir's kill at 6; mid-run two-rank kills
+    # with evaluation and W&B are test_combinations'.
+    kills = [steps]
     print("kill steps", kills)
     for k in kills:
         run = tmp_path / f"kill{k}"
