@@ -4,6 +4,8 @@ the resume after it: tests/test_checkpoint.py::test_kill_during_an_async_save_re
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from pathlib import Path
 
@@ -126,6 +128,90 @@ def test_a_signals_save_waits_for_the_one_in_flight_and_is_complete_on_return(tm
     print(f"\n{summary}")
     assert [(s["step"], s["mode"]) for s in summary["checkpoint_stalls"]] == [(2, "async"), (3, "sync")]
     assert summary["checkpoint_stalls"][1]["stall_s"] >= 0.4  # it waited for step 2's write
+
+
+def _fsdp_state(seed: int, rank: int):
+    from torch.distributed.fsdp import fully_shard
+
+    from qwen3_research.run.train_state import TrainState
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 6))
+    fully_shard(model)
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)), rank=rank)
+
+
+def _fsdp_train(state, rank: int) -> None:
+    state.model(torch.ones(2, 8) * (state.step + 1 + rank)).square().sum().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.scheduler.step()
+    state.step += 1
+
+
+def _full(state) -> list[torch.Tensor]:
+    """Every parameter and AdamW moment, gathered (collective)."""
+    out = []
+    for p in state.model.parameters():
+        out += [t.full_tensor() for t in (p.detach(), state.optimizer.state[p]["exp_avg"],
+                                          state.optimizer.state[p]["exp_avg_sq"])]
+    return out
+
+
+def _two_ranks(rank: int, world: int, port: int, tmp: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from qwen3_research.config import CheckpointConfig
+    from qwen3_research.run.checkpoint import Checkpointer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def checkpointer(state, where: str, **cfg):
+        return Checkpointer(state, CheckpointConfig(enable=True, **cfg), run_dir=Path(tmp) / where, total_steps=9,
+                            layout=f"world={world}", data_layout={"seq_len": 8}, config={"model": {"backend": "toy"}},
+                            rank=rank, world_size=world)
+
+    state = _fsdp_state(0, rank)
+    _fsdp_train(state, rank), _fsdp_train(state, rank)
+    checkpointer(state, "sync").save(2)
+    ck = checkpointer(state, "async", every=2, async_mode="async")
+    ck.maybe_save(2)
+    for _ in range(3):  # FSDP's collectives on the default group while DCP's run on the save's own gloo group
+        _fsdp_train(state, rank)
+    ck.wait()
+    dist.barrier()
+    loaded = []
+    for where in ("async", "sync"):
+        s = _fsdp_state(1, rank)
+        checkpointer(s, where, resume="auto").maybe_resume()
+        loaded.append((s.step, s.scheduler.get_last_lr(), _full(s)))
+    trained = _full(state)
+    if rank == 0:
+        (a_step, a_lr, a), (s_step, s_lr, b) = loaded
+        torch.save({"steps": (a_step, s_step), "lrs": (a_lr, s_lr), "equal": all(torch.equal(x, y) for x, y in zip(a, b)),
+                    "moved": not torch.equal(a[0], trained[0])}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_save_asynchronously_what_they_save_synchronously(tmp_path):
+    """2 gloo ranks, FSDP2, AdamW: step 2 saved asynchronously while three more steps run their collectives, and the
+    same step saved synchronously, reload to the same gathered weights and moments, bit for bit."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "result.pt"
+    mp.start_processes(_two_ranks, args=(2, port, str(tmp_path), str(out)), nprocs=2, start_method="spawn")
+    result = torch.load(out)
+    print(f"\n{result}")
+    assert result["steps"] == (2, 2) and result["lrs"][0] == result["lrs"][1]
+    assert result["equal"] and result["moved"]
 
 
 def test_pinned_staging_is_refused_on_cpu_in_one_line(tmp_path):
