@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch.distributed as dist
-
-MODES = ("disabled", "async", "async_with_pinned_mem")
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 
 @dataclass
@@ -50,12 +51,7 @@ class AsyncSaves:
     def submit(self, step: int, state_dict: dict, checkpoint_id: str, on_done: Callable[[int], None]) -> None:
         """Stage ``state_dict`` and start writing it to ``checkpoint_id``; ``on_done(step)`` runs once the write
         succeeded (in the writer's thread)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-
         if self.mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             if self.stager is None:  # pinned shared buffers, kept across saves (torchtitan's settings)
                 self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
                                                            use_async_staging=True, use_non_blocking_copy=True))
@@ -64,8 +60,6 @@ class AsyncSaves:
             assert isinstance(result, AsyncSaveResponse)
             job = InFlight(step, result.upload_completion, staging=result.staging_completion)
         else:  # copied in this thread before async_save returns
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             if self.stager is None:  # its host buffers are reused by the next save (which waits for this write
                 # first): a fresh copy page-faults its memory in again, ~3x the time of copying into the kept one
                 self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
