@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate 2>/dev/null || true
 out=${BENCH_OUT:-benchmarks/results}
 mkdir -p "$out"
-all=(default_run overhead vs_torchtitan backends mfu memory scaling startup moe_experts chunked_loss plan moe_routing moe_balance chat_packing bf16_lm_head)
+all=(default_run overhead vs_torchtitan backends mfu memory scaling startup moe_experts chunked_loss plan moe_routing moe_balance chat_packing bf16_lm_head async_checkpoint)
 names=("${@:-${all[@]}}")
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"

@@ -347,6 +347,13 @@ class CheckpointConfig:
     """Start over in a run dir that holds a run: its files are removed first (run/rundir.py)."""
     allow_data_change: bool = False
     """Resume under another data layout (seq_len, batch, source, tokenizer) (run/checkpoint.py)."""
+    async_mode: str = "disabled"
+    """disabled | async | async_with_pinned_mem: how a periodic save is written. async: the state is copied to host
+    memory, then written by a thread over its own gloo group while training goes on (torch.distributed.checkpoint.
+    async_save); async_with_pinned_mem: the copy into pinned memory overlaps the next step too, the write runs in a
+    process (an accelerator only: refused on cpu). The last step's save and a signal's are synchronous; a directory is
+    published only once its write completed; summary.json records each save's stall (run/async_checkpoint.py,
+    docs/RELIABILITY.md)."""
 
 
 @dataclass
@@ -708,6 +715,7 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     ck = cfg.checkpoint
     _positive("checkpoint.every", ck.every, allow_zero=True)
     _positive("checkpoint.keep", ck.keep)
+    _choice("checkpoint.async_mode", ck.async_mode, {"disabled", "async", "async_with_pinned_mem"})
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, {"offline", "online", "disabled"})
     if cfg.logging.wandb.init_timeout <= 0:
         raise ConfigError(f"logging.wandb.init_timeout must be > 0 (seconds W&B may take to start online), got "

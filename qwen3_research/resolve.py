@@ -490,13 +490,18 @@ def auto_settings(resolved: dict) -> dict:
 
 def check_device_settings(rc: RunConfig) -> RunConfig:
     """What the run's device kind refuses (its spec): an unknown kind, a device this host cannot run
-    (``refused_before_torch``), and a profiling capture the device does not have. One ConfigError line each."""
+    (``refused_before_torch``), pinned-memory checkpoint staging without an accelerator (``pinned_staging``), and a
+    profiling capture the device does not have. One ConfigError line each."""
     requested = rc.device.type
     if requested != devices.AUTO and requested not in devices.kinds():
         raise ConfigError(f"device.type={requested!r} is not one of {sorted({devices.AUTO, *devices.kinds()})}")
     kind, spec = device_spec(requested)
     if requested != devices.AUTO and spec.refused_before_torch and not spec.present():
         raise ConfigError(spec.unavailable_reason())
+    if rc.checkpoint.async_mode == "async_with_pinned_mem" and not spec.pinned_staging:
+        raise ConfigError(f"checkpoint.async_mode=async_with_pinned_mem stages into pinned memory on an accelerator's "
+                          f"copy stream, which device {kind} has none of (torch's non-blocking copy asserts one); use "
+                          "checkpoint.async_mode=async (a thread writes the host copy while training goes on)")
     p = rc.profiling
     if p.neuron_device_profile is not None and spec.torch_profiler:
         raise ConfigError(f"profiling.neuron_device_profile={p.neuron_device_profile!r} is a Neuron runtime capture "

@@ -114,6 +114,8 @@ class Step:
     state: TrainState  # what a checkpoint holds
     state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
     loss_tokens: int | None = None  # label tokens in the loss in the last step, over every data-parallel rank
+    # Called before the optimizer changes the weights (the Trainer's: an asynchronous checkpoint's staging done)
+    before_update: Callable[[], None] | None = None
 
     @property
     def cfg(self):
@@ -220,6 +222,8 @@ class Step:
 
     def optimizer_step(self) -> None:
         """Apply the update, free the gradients, advance the learning-rate schedule."""
+        if self.before_update is not None:
+            self.before_update()
         self.optimizer.step()
         if self.state_bytes is None:  # params + grads + optimizer state held by this rank (local shards)
             self.state_bytes = parallel.state_bytes(self.backend.model, self.optimizer)

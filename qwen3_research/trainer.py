@@ -72,11 +72,13 @@ class Trainer:
             layout=run.degrees.describe(), data_layout=step.data_layout, config=dataclasses.asdict(cfg),
             rank=where.rank, world_size=where.world_size,
         )
+        step.before_update = self.checkpointer.wait_for_staging  # the weights change only once a save copied them
         self.sinks = build_sinks(cfg, self.run_dir, is_main=self.is_main, wandb_group=info.wandb_group,
                                  wandb_name=info.wandb_name, swept=info.swept)
         self.profiler = Profiler(cfg.profiling, device_type=where.device.type, rank=where.rank, run_dir=self.run_dir,
                                  total_steps=cfg.training.steps)
         self.resolved_config = run.config  # W&B's config and summary.json: the values used (data.batch_size resolved)
+        self.committed = 0  # the sinks hold the logged steps through this one as checkpointed (W&B: delivered)
         self.build_s = time.perf_counter() - t_start
 
     def _memory_rows(self) -> list[dict]:
@@ -132,8 +134,9 @@ class Trainer:
                     if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, progress.tokens_per_step)
                     record = self._evaluate_when_due(record)
+                    record = self._save_when_due(record, progress)
                     self._log(record, progress)
-                    self._save_when_due(stop)
+                    self._commit_or_stop(stop)
         except BaseException as e:
             self._record_failure(e)  # raises TrainingError instead for an out-of-memory error
             raise
@@ -196,12 +199,25 @@ class Trainer:
             if "loss" in record:
                 self.step.state.final_loss = record["loss"]
 
-    def _save_when_due(self, stop: StopOnSignal) -> None:
-        """A checkpoint when due (the sinks committed with it); a stop signal saves now and ends the loop."""
-        state = self.step.state
-        self.checkpointer.maybe_save(state.step)
-        if self.checkpointer.last_saved == state.step:
-            self.sinks.commit()
+    def _save_when_due(self, record: dict | None, progress: _Progress) -> dict | None:
+        """A checkpoint when due; the seconds it blocked the loop into ``record`` (``checkpoint_stall_s``). A failed
+        save still logs the step it followed."""
+        try:
+            stall = self.checkpointer.maybe_save(self.step.state.step)
+        except BaseException:
+            self._log(record, progress)
+            raise
+        if stall is not None and record is not None:
+            record = {**record, "checkpoint_stall_s": round(stall, 4)}
+        return record
+
+    def _commit_or_stop(self, stop: StopOnSignal) -> None:
+        """The sinks committed through the newest complete checkpoint; a stop signal saves now (synchronously, after
+        any save in flight) and ends the loop."""
+        state, published = self.step.state, self.checkpointer.published
+        if published is not None and published > self.committed:
+            self.sinks.commit(through=published)
+            self.committed = published
         signum = stop.requested()
         if signum and state.step < self.cfg.training.steps:
             raise Interrupted(signum, state.step, str(self.checkpointer.save_now()))
@@ -241,6 +257,7 @@ class Trainer:
             "precision": self.step.precision, "first_step_s": state.timer.first_step_s,
             "steady_step_s": state.timer.steady_mean_s, "build_s": self.build_s,
             "compile": self._compile_line(), **self._compile_fields(progress.compile_start),
+            **self.checkpointer.stall_summary(),
         }
         if hasattr(self.step.data, "summary"):  # data=chat: conversations rendered, truncated, dropped; packing
             summary["data"] = self.step.data.summary()

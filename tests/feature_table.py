@@ -39,6 +39,7 @@ ROWS = (
     "document masking (data.document_masking)",
     "FlexAttention with a BlockMask (forward on CPU)",
     "checkpoint resume after SIGKILL",
+    "asynchronous checkpoints (checkpoint.async_mode)",
     "activation checkpointing",
     "HF import (model.init_from)",
     "CPU kernels (kernels=fast)",

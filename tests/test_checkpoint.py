@@ -147,6 +147,31 @@ def test_kill_during_save_keeps_previous_checkpoint(straight, tmp_path):
     assert got[2:4] == ref[2:4]
 
 
+@pytest.mark.slow
+@pytest.mark.feature("asynchronous checkpoints (checkpoint.async_mode)")
+def test_kill_during_an_async_save_resumes_from_the_previous_checkpoint(straight, tmp_path):
+    """checkpoint.async_mode=async, a save every 2 steps: SIGKILL in the writer's thread once step 4's data is written,
+    while training goes on. Step 4 stays an unpublished .tmp-step directory, resume=auto takes step 2, and steps 3-6
+    retrain to the uninterrupted run's losses (each async checkpoint holds its own step's state: the resumed run
+    restarts from step 2's and saves 4 and 6 asynchronously again). Fails if a directory were published before its
+    write's future resolved (step-00000004 would exist)."""
+    run = tmp_path / "run"
+    args = [*BASE, "checkpoint.enable=true", "checkpoint.every=2", "checkpoint.async_mode=async"]
+    proc = run_cli(args, run_dir=run, env=cli_env(**{KILL_ENV: "4"}))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    print(f"\nafter SIGKILL in step 4's asynchronous save: {step_dirs(run)}; logged steps "
+          f"{[r['step'] for r in read_metrics(run)]}")
+    assert step_dirs(run) == [".tmp-step-00000004", "step-00000002"]
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, env=cli_env(**fault_env("kill@7")))
+    assert resumed.returncode == -9 and "step-00000002 at step 2" in resumed.stdout, resumed.stdout[-2000:]
+    got, ref = train_losses(run), train_losses(straight)
+    print(f"resumed from step 2: steps 3-6 {got[2:6]} vs straight {ref[2:6]}")
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert got[:6] == ref[:6]
+    stalls = [r["checkpoint_stall_s"] for r in read_metrics(run) if "checkpoint_stall_s" in r]
+    assert len(stalls) == 3 and all(s >= 0 for s in stalls)  # steps 2 (first run), 4 and 6 (resumed run)
+
+
 # -- acceptance e: a checkpoint of another model shape --------------------------------------
 
 

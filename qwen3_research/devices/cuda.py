@@ -195,6 +195,7 @@ SPEC = register(DeviceSpec(
     compile_cache_facts=_compile_cache_facts,
     planning_table=PLANNED_GPUS,
     flex_attention=True,  # FlexAttention's training kernels (backward) exist on cuda only
+    pinned_staging=True,  # torchtitan's async_with_pinned_mem: pinned host buffers filled on a CUDA copy stream
     profiler_activities=("CPU", "CUDA"),
     memory_snapshot="allocator",  # torch.cuda.memory._record_memory_history / _dump_snapshot
     # torchtitan's table (titan.gpu_peak_flops) for bf16; NVIDIA datasheets for fp32; TF32 half bf16

@@ -71,6 +71,9 @@ class DeviceSpec(NamedTuple):
     planning_table: dict[str, tuple[float, float]] | None = None  # name -> (GiB, dense bf16 FLOP/s): planned without one
     kernels_by_shape: bool = False  # a plan for it traces its kernels by their documented output shapes
     flex_attention: bool = False  # FlexAttention trains here (forward and backward kernels)
+    # torch's pinned-memory checkpoint staging runs here (checkpoint.async_mode=async_with_pinned_mem): its
+    # non-blocking copy asserts an accelerator (torch/distributed/checkpoint/staging.py), so CPU has none
+    pinned_staging: bool = False
     profiler_activities: tuple[str, ...] = ("CPU",)  # torch.profiler.ProfilerActivity names; (): no torch.profiler
     memory_snapshot: str | None = None  # how ``profiling.memory_snapshot`` records: allocator | profiler | None
     profiler_environment: Callable[..., dict[str, str]] | None = None  # (ProfilingConfig, run_dir) -> runtime's env

@@ -7,6 +7,9 @@ scheduler, step, progress, per-rank RNG) plus ``meta.json`` (step, layout, data 
 Every rank writes into ``.tmp-step-…`` first; rank 0 adds ``meta.json`` last and renames the
 directory, so a crash mid-save leaves the previous checkpoints untouched and the partial one
 invisible. DCP reshards on load, so a checkpoint resumes (or exports) under any parallel layout.
+With ``checkpoint.async_mode`` the write goes on while training continues (``run/async_checkpoint.py``);
+rank 0 publishes the directory the same way once the write's future resolved; the last step's save and a
+signal's are synchronous. ``stalls`` records what each save cost the training loop.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from qwen3_research import lora, models
 from qwen3_research.config import CheckpointConfig, RunConfig
 from qwen3_research.data import layout_differences
 from qwen3_research.errors import ConfigError, TrainingError, log_call, write_failure
+from qwen3_research.run.async_checkpoint import AsyncSaves
 from qwen3_research.run.train_state import TrainState, unwrap
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
-# Test hook: SIGKILL this process during the save of this step (after the DCP write, before the rename).
+# Test hook: SIGKILL this process during the save of this step (after the DCP write, before the rename; an
+# asynchronous save: in its writer's thread, while training goes on).
 KILL_IN_SAVE_ENV = "QWEN3_RESEARCH_TEST_KILL_IN_SAVE"
 
 
@@ -331,7 +336,10 @@ class Checkpointer:
         self.meta = {"layout": layout, "model": config["model"], "config": config, "data_layout": data_layout}
         if (config["model"].get("lora") or {}).get("enable") and self.is_main:  # what the adapters were trained on
             self.meta["lora_base"] = lora.base_fingerprint(config["model"], config["training"]["seed"])
-        self.last_saved: int | None = None
+        self.last_saved: int | None = None  # the newest step saved or being saved (an async save in flight)
+        self.published: int | None = None  # the newest step whose checkpoint is complete (rank 0 knows it first)
+        self.stalls: list[dict] = []  # per save: step, mode, stall_s (seconds the training loop was blocked)
+        self.async_saves = AsyncSaves(cfg.async_mode) if cfg.enable and cfg.async_mode != "disabled" else None
         self.resume_from: Path | None = None
         if self.cfg.resume:
             self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
@@ -362,21 +370,51 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
             raise ConfigError(f"checkpoint.resume: cannot read {self.resume_from} ({_first_line(e)})") from None
         self.state.load_state_dict(state)
-        self.last_saved = self.state.step
+        self.last_saved = self.published = self.state.step
         self._log(f"resumed from {self.resume_from} at step {self.state.step}")
 
     # -- save -----------------------------------------------------------------------------
-    def maybe_save(self, step: int) -> None:
+    def maybe_save(self, step: int) -> float | None:
+        """The periodic save when due (asynchronous with ``checkpoint.async_mode``; the last step is ``finish``'s):
+        the seconds it blocked the training loop, or None when none was due."""
         if self.cfg.enable and self.cfg.every and step % self.cfg.every == 0 and step < self.total_steps:
-            self.save(step)
+            self.save(step, asynchronous=self.async_saves is not None)
+            return self.stalls[-1]["stall_s"]
+        return None
 
     def save_now(self) -> Path:
-        """A checkpoint of the current step (also when periodic checkpoints are off): on a stop signal."""
-        if self.last_saved == self.state.step:
-            return self.root / f"step-{self.state.step:08d}"
-        return self.save(self.state.step)
+        """A checkpoint of the current step (also when periodic checkpoints are off), complete when this returns: on
+        a stop signal. An asynchronous save of this step in flight is waited for, not repeated."""
+        step = self.state.step
+        if self.last_saved == step:
+            self.wait()
+            if self.published == step:
+                return self.root / f"step-{step:08d}"
+        return self.save(step)
 
-    def save(self, step: int) -> Path:
+    def wait_for_staging(self) -> None:
+        """Before the optimizer changes the weights: an asynchronous save's copy must be taken (pinned mode stages
+        on the accelerator's copy stream; ``async`` copied before it returned). Counted in that save's stall."""
+        if self.async_saves is not None:
+            waited = self.async_saves.wait_for_staging()
+            if waited and self.stalls:
+                self.stalls[-1]["stall_s"] += waited
+
+    def wait(self) -> float:
+        """Block until an asynchronous save in flight is written and published; raise its failure as the save's.
+        Returns the seconds waited."""
+        if self.async_saves is None:
+            return 0.0
+        waited, job = self.async_saves.wait()
+        if job is not None and job.error is not None:
+            self._failed(job.step, job.error, self.root / f".tmp-step-{job.step:08d}")
+        return waited
+
+    def save(self, step: int, *, asynchronous: bool = False) -> Path:
+        """Save ``step`` into ``step-N`` (the path returned); ``asynchronous``: return once the state is staged,
+        the directory being published when its write completes."""
+        t0 = time.perf_counter()
+        self.wait()  # one save at a time: the previous one is complete before this one starts
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".tmp-step-{step:08d}"
         if self.is_main:
@@ -384,47 +422,66 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        t0 = time.perf_counter()
         try:
-            self._write(step, tmp, final)
+            if asynchronous:
+                self.async_saves.submit(step, self.state.state_dict(), str(tmp), self._after_write)
+            else:
+                self._write(step, tmp)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, permissions, any rank's DCP error
-            why, fix = write_failure(e, self.root, "checkpoint.dir")  # before the partial save is removed
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            kept = list_checkpoints(self.root)
-            raise TrainingError(
-                f"checkpoint: cannot save step {step} to {self.root} ({why}); "
-                f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
-                f"{fix}, then resume with checkpoint.resume=auto"
-            ) from None
+            self._failed(step, e, tmp)
+        stall = time.perf_counter() - t0
+        self.stalls.append({"step": step, "mode": "async" if asynchronous else "sync", "stall_s": stall})
         if self.is_main:
-            self._log(f"checkpoint: step {step} -> {final} ({time.perf_counter() - t0:.1f}s)")
-        _barrier()
+            self._log(f"checkpoint: step {step} -> {final} ({'staged in ' if asynchronous else ''}{stall:.1f}s"
+                      f"{', writing in the background' if asynchronous else ''})")
+        if not asynchronous:
+            _barrier()
         self.last_saved = step
         return final
 
-    def _write(self, step: int, tmp: Path, final: Path) -> None:
-        """DCP into tmp, then meta.json last and an atomic rename to final (rank 0)."""
+    def _failed(self, step: int, e: BaseException, tmp: Path) -> None:
+        why, fix = write_failure(e, self.root, "checkpoint.dir")  # before the partial save is removed
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = list_checkpoints(self.root)
+        raise TrainingError(
+            f"checkpoint: cannot save step {step} to {self.root} ({why}); "
+            f"{'the last good checkpoint ' + str(kept[-1]) + ' is kept' if kept else 'no earlier checkpoint exists'}; "
+            f"{fix}, then resume with checkpoint.resume=auto"
+        ) from None
+
+    def _write(self, step: int, tmp: Path) -> None:
+        """DCP into tmp, then (rank 0) meta.json and the rename."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self.state.state_dict(), checkpoint_id=str(tmp))
+        _barrier()
+        self._after_write(step)
+
+    def _after_write(self, step: int) -> None:
+        """Every rank's data and DCP's .metadata are in ``.tmp-step-N``: publish it (rank 0; an asynchronous save:
+        in its writer's thread, once its future resolved)."""
         if os.environ.get(KILL_IN_SAVE_ENV) == str(step) and self.is_main:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the data written, before it is published
-        _barrier()
         if self.is_main:
-            meta = {"step": step, "time": time.time(), "world_size": self.world_size, **self.meta}
-            with open(tmp / META, "w") as fh:
-                json.dump(meta, fh, indent=1, default=str)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            old = self.root / f".old-step-{step:08d}"
-            if final.exists():  # re-saving a step (after a resume): swap, never delete first
-                os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            shutil.rmtree(old, ignore_errors=True)
-            self._prune(step)
+            self._publish(step, self.root / f".tmp-step-{step:08d}", self.root / f"step-{step:08d}")
+        self.published = step
+
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """meta.json last, then an atomic rename to ``final``; older checkpoints pruned."""
+        meta = {"step": step, "time": time.time(), "world_size": self.world_size, **self.meta}
+        with open(tmp / META, "w") as fh:
+            json.dump(meta, fh, indent=1, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        old = self.root / f".old-step-{step:08d}"
+        if final.exists():  # re-saving a step (after a resume): swap, never delete first
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        shutil.rmtree(old, ignore_errors=True)
+        self._prune(step)
 
     def _prune(self, step: int) -> None:
         complete = list_checkpoints(self.root)
@@ -434,9 +491,24 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def finish(self) -> None:
-        """The final save (unless this step is saved already)."""
-        if self.cfg.enable and self.last_saved != self.state.step:
+        """The final save, synchronous (unless this step is saved already), after any save in flight."""
+        if not self.cfg.enable:
+            return
+        waited = self.wait()
+        if self.published != self.state.step:
             self.save(self.state.step)
+        if waited and self.stalls:  # the loop's end waited for the write in flight
+            self.stalls[-1]["stall_s"] += waited
+        if self.async_saves is not None:
+            self.async_saves.close()
+
+    def stall_summary(self) -> dict:
+        """summary.json's record of what the saves cost the training loop (seconds blocked, per save and in all)."""
+        if not self.stalls:
+            return {}
+        return {"checkpoint_async_mode": self.cfg.async_mode,
+                "checkpoint_stalls": [{**s, "stall_s": round(s["stall_s"], 4)} for s in self.stalls],
+                "checkpoint_stall_s": round(sum(s["stall_s"] for s in self.stalls), 4)}
 
 
 def _metadata_keys(path: Path) -> set[str]:

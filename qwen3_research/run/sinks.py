@@ -27,7 +27,7 @@ class MetricSink:
     def resume_at(self, step: int) -> None: ...  # a resumed run continues from this step's checkpoint (before start)
     def start(self, config: dict, summary: dict) -> None: ...
     def log(self, record: dict) -> None: ...
-    def commit(self) -> None: ...  # a checkpoint now holds every logged step
+    def commit(self, through: int | None = None) -> None: ...  # a checkpoint now holds the logged steps through this one (None: all)
     def artifact(self, kind: str, paths: list[Path]) -> None: ...  # files of the run dir (profiler traces, snapshots)
     def finish(self, summary: dict) -> None: ...
 
@@ -320,15 +320,16 @@ class WandbSink(MetricSink):
         if not self.hold_until_commit:
             self.commit()
 
-    def commit(self) -> None:
+    def commit(self, through: int | None = None) -> None:
         if self.run is None:
             return
         try:
+            held = [r for r in self.pending if through is not None and r["step"] > through]  # an async save in flight
             for record in self.pending:  # W&B's step is the training step: monotonic across resumes
-                if record["step"] > self.logged_through:
+                if record["step"] > self.logged_through and (through is None or record["step"] <= through):
                     self.run.log(_wandb_flat(record), step=record["step"])
                     self.last_step = record["step"]
-            self.pending.clear()
+            self.pending = held
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
@@ -397,9 +398,9 @@ class Sinks(MetricSink):
         for s in self.sinks:
             s.log(record)
 
-    def commit(self) -> None:
+    def commit(self, through: int | None = None) -> None:
         for s in self.sinks:
-            s.commit()
+            s.commit(through)
 
     def artifact(self, kind: str, paths: list[Path]) -> None:
         for s in self.sinks:
