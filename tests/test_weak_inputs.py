@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_research.compose import compose
-from qwen3_research.config import validate
+from qwen3_research.config import to_run_config, validate
 from qwen3_research.errors import ConfigError
 from tests.conftest import ROOT, cli_env, sigint_at_import
 
@@ -46,6 +46,20 @@ def test_a_value_out_of_range_is_one_config_error(override, start):
         validate(compose(["model=native_moe", override] if "moe" in override else [override]))
     print(f"{override}: config error: {e.value}")
     assert str(e.value).startswith(start) and "\n" not in str(e.value)
+
+
+def test_an_unknown_compile_backend_is_one_config_error():
+    """Issue 40: compile.backend=bogus was accepted until step 1 (a dynamo traceback in every rank); a backend torch
+    knows (eager) passes."""
+    from qwen3_research.compiling import decide
+
+    rc = to_run_config(compose(["compile.enable=true", "compile.backend=bogus"]))
+    with pytest.raises(ConfigError) as e:
+        decide(rc, "cpu", is_moe=False)
+    print(f"config error: {e.value}")
+    assert str(e.value).startswith("compile.backend='bogus' is not a torch.compile backend here (torch's: ")
+    assert "inductor" in str(e.value) and "\n" not in str(e.value)
+    assert decide(to_run_config(compose(["compile.enable=true", "compile.backend=eager"])), "cpu", is_moe=False).enable
 
 
 # -- the tools' arguments -------------------------------------------------------------------------------------------
