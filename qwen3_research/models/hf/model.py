@@ -53,6 +53,10 @@ class HFCausalLM(ModelBackend):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = os.path.expanduser(cfg.path)
+        if os.path.isabs(path) or cfg.path.startswith((".", "~")) or os.sep * 2 in path:
+            if not os.path.isdir(path):  # issue 40: was "Repo id must be in the form 'repo_name' ..." from the Hub client
+                raise ConfigError(f"model.path={cfg.path!r}: no such directory (a local path; a Hub id is "
+                                  "namespace/name): give the directory that holds config.json and the weights")
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError …
