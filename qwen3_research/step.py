@@ -31,7 +31,7 @@ from qwen3_research.chat_windows import ChatDataset
 from qwen3_research.data import IGNORE_INDEX, PackedDataset, Tokenizer, data_layout, tokenizer_path
 from qwen3_research.errors import ConfigError, TrainingError
 from qwen3_research.kernels import apply_overrides
-from qwen3_research.loss import lm_loss
+from qwen3_research.loss import chunked_cross_entropy, lm_loss
 from qwen3_research.memory import gather_objects
 from qwen3_research.optim import build_optimizer
 from qwen3_research.parallel import Degrees
@@ -88,6 +88,61 @@ def compute_dtype(run: ResolvedRun) -> torch.dtype:
 
 
 @dataclass(eq=False, kw_only=True)
+class Pipeline:
+    """A pipelined run's schedule (parallelism.pp > 1) and the loss it calls on the last stage.
+
+    torch's schedule splits each batch into the micro-batches, runs this rank's stages and calls ``loss`` once per
+    micro-batch on the last stage, backpropagating what it returns as it is; ``loss`` records each micro-batch's
+    summed token loss (``sums``) for the report."""
+
+    schedule: object = None
+    stages: list = field(default_factory=list)  # this rank's stage indices (two on a V or looped schedule)
+    has_first: bool = False
+    has_last: bool = False
+    group: object = None  # the pipeline ranks' process group
+    chunk_tokens: int | None = None  # training.loss=chunked: tokens per chunk; None: the full loss
+    lm_head: Callable | None = None  # the last stage's lm_head weight (the chunked loss)
+    microbatches: int = 1  # per schedule step (parallelism.pp_microbatches)
+    n_step: int = 1  # label tokens of the whole step (every micro-batch and data-parallel rank)
+    scale: float = 1.0  # dp × loss_scale (Step.forward_backward)
+    sums: list = field(default_factory=list)
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the step's token-mean loss (as ``Step.forward_backward`` weighs it)."""
+        n = int((labels != IGNORE_INDEX).sum())
+        if self.chunk_tokens is not None:  # output: the final norm's hidden states (the lm_head skipped)
+            mean = chunked_cross_entropy(output, self.lm_head(), labels, self.chunk_tokens)
+            total = mean * n if n else mean.nan_to_num(0.0) * 0.0
+        else:
+            logits = output.full_tensor() if hasattr(output, "full_tensor") else output
+            total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        self.sums.append(total.detach())
+        return total * (self.scale / self.n_step) if self.n_step else total * 0.0
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """One batch through the schedule (forward and backward, or forward only); its summed token loss on the
+        last stage, 0 elsewhere."""
+        self.sums.clear()
+        args = (inputs,) if self.has_first else ()
+        kwargs = dict(target=labels if self.has_last else None, losses=[] if self.has_last else None)
+        if train:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            self.schedule.eval(*args, **kwargs)
+        # the micro-batches' own calls are the last ones: on its first step a stage runs the loss once more to learn
+        # the shapes it exchanges (an empty batch, NaN)
+        sums = self.sums[-self.microbatches:]
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=labels.device)
+
+    def sum_over_stages(self, total: torch.Tensor) -> torch.Tensor:
+        """``total[0]`` (a loss sum, held by the last stage) summed over the pipeline ranks."""
+        loss = total[:1].clone()
+        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        total[0] = loss[0]
+        return total
+
+
+@dataclass(eq=False, kw_only=True)
 class Step:
     """The parts of one training step (built by ``build_step``) and its one order (``__call__``).
 
@@ -114,6 +169,7 @@ class Step:
     state: TrainState  # what a checkpoint holds
     state_bytes: dict | None = None  # params + grads + optimizer state of this rank, after the first update
     loss_tokens: int | None = None  # label tokens in the loss in the last step, over every data-parallel rank
+    pipeline: Pipeline | None = None  # parallelism.pp > 1: the schedule that runs this rank's stages
 
     @property
     def cfg(self):
@@ -156,6 +212,8 @@ class Step:
             total[0] += self.forward_backward(batch, (n, n_step))
             total[1] += n
         grad_norm = self.clip_gradients()
+        if self.pipeline is not None:
+            total = self.pipeline.sum_over_stages(total)
         total = self.all_reduce_sum(total)  # one collective for both
         loss_value = float(total[0] / total[1]) if total[1] > 0 else float("nan")
         grad_value = float(grad_norm)
@@ -193,6 +251,11 @@ class Step:
         t = self.cfg.training
         inputs = batch.inputs.to(self.torch_device)
         labels = batch.labels.to(self.torch_device)
+        if self.pipeline is not None:  # the schedule runs forward, loss and backward of every micro-batch
+            self.pipeline.n_step = tokens[1] if tokens is not None else t.grad_accum * label_tokens(batch)
+            self.pipeline.scale = self.dp_size * self.loss_scale
+            with self.where.device.autocast(self.autocast):
+                return self.pipeline.run(inputs, labels, train=True)
         positions = None if batch.positions is None else batch.positions.to(self.torch_device)
         mean = self.loss(inputs, labels, positions)
         if tokens is None:
@@ -215,7 +278,9 @@ class Step:
         """Clip the gradients to optimizer.grad_clip (0: no clipping); their total norm before clipping."""
         max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
         params = [p for p in self.backend.model.parameters() if p.grad is not None]
-        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1)
+        # pipelined: the norm of every stage's gradients (torchtitan sums the squares over the pp mesh)
+        pp_mesh = self.where.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
+        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1, pp_mesh=pp_mesh)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def optimizer_step(self) -> None:
@@ -261,7 +326,12 @@ class Step:
             for b in batches:
                 positions = None if b.positions is None else b.positions.to(self.torch_device)
                 n = label_tokens(b)
-                if n:
+                if self.pipeline is not None:  # forward only, through the schedule
+                    with self.where.device.autocast(self.autocast):
+                        total[0] += self.pipeline.run(b.inputs.to(self.torch_device), b.labels.to(self.torch_device),
+                                                      train=False)
+                    total[1] += n
+                elif n:
                     total[0] += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions) * n
                     total[1] += n
                 else:  # nothing to score; the forward still runs (FSDP's collectives), its 0/0 mean is dropped
@@ -269,6 +339,8 @@ class Step:
         finally:
             model.train()
             parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
+        if self.pipeline is not None:
+            total = self.pipeline.sum_over_stages(total)
         total = self.all_reduce_sum(total)  # the mean over every held-out label token, as the training loss
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -319,8 +391,20 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
               flush=True)
     kernel_plan = apply_overrides(backend.model, cfg, where.device, dtype=run.precision.compute_dtype) \
         if cfg.kernels.entries else {}
-    loss_scale = 1.0
-    if degrees.sharded:
+    loss_scale, pipeline = 1.0, None
+    if degrees.pipelined:  # torchtitan's pipeline_llm: this rank's stages, each sharded as below, and the schedule
+        pipeline = Pipeline(group=where.parallel_dims.get_mesh("pp").get_group(), microbatches=degrees.pp_microbatches,
+                            chunk_tokens=cfg.training.loss_chunk_tokens if cfg.training.loss == "chunked" else None)
+        pipeline.schedule, pipeline.stages, pipeline.has_first, pipeline.has_last = backend.pipeline(
+            where.parallel_dims, tt, loss_fn=pipeline.loss, local_batch_size=cfg.data.batch_size,
+            microbatches=degrees.pp_microbatches)
+        if pipeline.has_last and pipeline.chunk_tokens is not None:  # the last stage returns hidden states
+            last = backend.model.stage_parts[pipeline.stages.index(max(pipeline.stages))]
+            last._skip_lm_head = True
+            pipeline.lm_head = lambda: last.lm_head.weight
+        devices.after_sharding(where.device, backend.model)
+        loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
+    elif degrees.sharded:
         backend.parallelize(where.parallel_dims, tt)
         devices.after_sharding(where.device, backend.model)
         loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
@@ -352,7 +436,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         tokenizer=tokenizer, data=data, data_layout=layout, dp_rank=dp_rank, dp_size=dp_size, eval_every=eval_every,
         backend=backend, kernel_plan=kernel_plan, loss_scale=loss_scale, routing=routing,
         precision=precision, autocast=autocast, compiled=compiled, cross_entropy=cross_entropy,
-        optimizer=optimizer, scheduler=scheduler, state=state,
+        optimizer=optimizer, scheduler=scheduler, state=state, pipeline=pipeline,
     )
 
 
