@@ -115,3 +115,78 @@ def test_every_schedule_on_two_stages_equals_one_process(single, tmp_path):
     for name, got in results.items():
         assert got["stages"] == PP2[name], name
         assert worst(single, got) <= (TOL, TOL), name
+
+
+# -- refusals: one line naming the key and the fix, before any worker ----------------------------------------------
+PP = ["parallelism.nproc_per_node=2", "parallelism.pp=2"]
+REFUSED = {  # overrides -> fragments of the one line
+    "tied": (["model.flavor=tiny", *PP], ["parallelism.pp=2 cannot pipeline a model with tied embeddings",
+                                          "model.flavor=tiny_untied"]),
+    "schedule": ([*PP, "parallelism.pp_schedule=Zigzag"], ["parallelism.pp_schedule='Zigzag' is not a pipeline",
+                                                           "DualPipeV"]),
+    "dualpipev_microbatches": ([*PP, "parallelism.pp_schedule=DualPipeV", "parallelism.pp_microbatches=2"],
+                               ["pp_schedule=DualPipeV needs at least 4", "parallelism.pp_microbatches=4"]),
+    "batch": ([*PP, "parallelism.pp_microbatches=3"], ["parallelism.pp_microbatches=3 must divide the per-rank "
+                                                       "data.batch_size=4", "data.batch_size=6"]),
+    "stages": ([*PP, "parallelism.pp_layers_per_stage=2"], ["pp_schedule=1F1B needs exactly 1 stage(s) per rank",
+                                                            "4 stages", "pp_layers_per_stage=0"]),
+    "too_many_stages": (["parallelism.nproc_per_node=8", "parallelism.pp=8", "parallelism.pp_schedule=Interleaved1F1B"],
+                        ["parallelism.pp=8 with pp_schedule=Interleaved1F1B makes 16 stages, more than",
+                         "lower parallelism.pp"]),
+    "world": ([*PP, "parallelism.tp=2"], ["parallelism.dp_replicate×tp×pp=1×2×2=4 does not divide the world size"]),
+    "hf_backend": (["model=hf", "model.path=/nonexistent", *PP], ["parallelism.pp=2 needs model=native"]),
+    "document_masking": ([*PP, "data.document_masking=true"], ["data.document_masking=true with parallelism.pp=2"]),
+}
+
+
+@pytest.mark.feature("pipeline parallel (parallelism.pp)")
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_pipeline_refusals_are_one_line(case):
+    from qwen3_research.config import ConfigError
+    from qwen3_research.resolve import resolve_run
+
+    overrides, fragments = REFUSED[case]
+    base = [o for o in BASE if not (case == "hf_backend" and o.startswith("model.flavor"))]
+    with pytest.raises(ConfigError) as e:
+        resolve_run(_compose(base + overrides))
+    msg = str(e.value)
+    print(f"\n{case}: {msg}")
+    assert "\n" not in msg
+    for f in fragments:
+        assert f in msg, (f, msg)
+
+
+def test_torchtitan_02_refuses_pp_in_one_line():
+    """0.2.x's Qwen3 ModelSpec has pipelining_fn=None: its check (what models.check_run asks on that tier) refuses
+    parallelism.pp > 1 before any worker starts."""
+    from types import SimpleNamespace
+
+    from qwen3_research.config import ConfigError
+    from qwen3_research.titan import v02
+
+    rc = SimpleNamespace(parallelism=SimpleNamespace(pp=2, tp=1, sequence_parallel=False))
+    with pytest.raises(ConfigError) as e:
+        v02.check_supported(rc, moe=False)
+    print(f"\n{e.value}")
+    assert "\n" not in str(e.value) and "parallelism.pp=2 needs torchtitan>=0.3.0" in str(e.value)
+    assert "set parallelism.pp=1" in str(e.value)
+    v02.check_supported(SimpleNamespace(parallelism=SimpleNamespace(pp=1, tp=1, sequence_parallel=False)), moe=False)
+
+
+def test_schedule_names_are_torchs():
+    """parallel.PP_SCHEDULES: every name torch's get_schedule_class maps to a concrete schedule, with its kind."""
+    from torch.distributed.pipelining import schedules as s
+
+    from qwen3_research.parallel import PP_SCHEDULES
+
+    for name, kind in PP_SCHEDULES.items():
+        cls = s.get_schedule_class(name)
+        single = issubclass(cls, s.PipelineScheduleSingle)
+        v = cls in (s.ScheduleZBVZeroBubble, s.ScheduleDualPipeV)
+        assert kind == ("single" if single else "v" if v else "looped"), name
+    abstract = {"PipelineScheduleSingle", "PipelineScheduleMulti"}
+    try:
+        s.get_schedule_class("nothing")
+    except ValueError as e:  # torch lists its names in the message
+        offered = {n.strip(" '[]") for n in str(e).split("options are")[1].split(",")}
+        assert offered - abstract == set(PP_SCHEDULES), offered
