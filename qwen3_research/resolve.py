@@ -299,6 +299,10 @@ def check_pipeline_run(rc: RunConfig, degrees) -> None:
     if rc.model.lora.enable:
         raise ConfigError(f"model.lora.enable=true with {pp}: LoRA adapters are not split into pipeline stages yet; "
                           "use parallelism.pp=1")
+    if rc.checkpoint.export_hf:
+        raise ConfigError(f"checkpoint.export_hf=true with {pp}: the run's own export needs the whole model on a rank; "
+                          "set checkpoint.export_hf=false and export a saved checkpoint (DCP, any layout) with "
+                          "python -m qwen3_research.export <checkpoint> <out_dir>")
     if rc.model.moe.balance == "aux_loss":
         raise ConfigError(f"model.moe.balance=aux_loss with {pp}: the auxiliary loss lives on every stage and the "
                           "schedule backpropagates only the last stage's loss; use model.moe.balance=bias (or auto)")

@@ -190,3 +190,23 @@ def test_schedule_names_are_torchs():
     except ValueError as e:  # torch lists its names in the message
         offered = {n.strip(" '[]") for n in str(e).split("options are")[1].split(",")}
         assert offered - abstract == set(PP_SCHEDULES), offered
+
+
+# -- fsdp(2) × pp(2) on 4 ranks: parity, SIGKILL + resume, the HF export of its checkpoint ---------------------------
+FSDP_PP = ["parallelism.nproc_per_node=4", "parallelism.pp=2", "data.batch_size=2"]  # dp_shard=-1: 2; 2 per rank
+
+
+@pytest.fixture(scope="module")
+def fsdp_pp(tmp_path_factory) -> dict:
+    """The uninterrupted fsdp(2)×pp(2) run, in-process on 4 gloo ranks (the global batch of one process: 2 × 2)."""
+    return run_group({"fsdp2xpp2": FSDP_PP}, tmp_path_factory.mktemp("fsdp_pp"), world=4)["fsdp2xpp2"]
+
+
+@pytest.mark.feature("pipeline parallel (parallelism.pp)")
+@pytest.mark.slow
+def test_fsdp2_pp2_equals_one_process(single, fsdp_pp):
+    loss, norm = worst(single, fsdp_pp)
+    print(f"\nfsdp2×pp2 stages {fsdp_pp['stages']}: loss {[round(x, 6) for x in fsdp_pp['loss']]}; largest loss "
+          f"difference {loss:.2e}, relative grad-norm difference {norm:.2e}")
+    assert fsdp_pp["stages"] == [[0], [0], [1], [1]]  # torchtitan's mesh: pp outermost
+    assert (loss, norm) <= (TOL, TOL)
