@@ -10,6 +10,7 @@ that trains a copy of a shared weight moves the losses or the norms by far more 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -210,3 +211,33 @@ def test_fsdp2_pp2_equals_one_process(single, fsdp_pp):
           f"difference {loss:.2e}, relative grad-norm difference {norm:.2e}")
     assert fsdp_pp["stages"] == [[0], [0], [1], [1]]  # torchtitan's mesh: pp outermost
     assert (loss, norm) <= (TOL, TOL)
+
+
+@pytest.mark.feature("pipeline parallel (parallelism.pp)")
+@pytest.mark.slow
+def test_fsdp2_pp2_resumes_after_sigkill_and_its_checkpoint_exports(fsdp_pp, tmp_path):
+    """The CLI on 4 ranks, killed in step 3 (after the step-2 save), resumed to step 3: the losses of the
+    uninterrupted run (the DCP checkpoint holds each stage's shards under the whole model's names). Its step-3
+    checkpoint then exports, in one process, to a Hugging Face directory that reloads logit-equal (the export
+    command's own check)."""
+    from tests.conftest import assert_ok, cli_env, fault_env, run_cli, train_losses
+
+    run = tmp_path / "run"
+    args = [*BASE, *FSDP_PP, "checkpoint.enable=true", "checkpoint.every=1", "logging.progress_bar=false"]
+    killed = run_cli(args, run_dir=run, env=cli_env(**fault_env("kill@3")), timeout=400)
+    assert killed.returncode != 0, killed.stderr[-2000:]
+    assert train_losses(run) == pytest.approx(fsdp_pp["loss"][:2], abs=TOL)
+    resumed = run_cli([*args, "checkpoint.resume=auto"], run_dir=run, timeout=400)
+    assert_ok(resumed)
+    assert "step-00000002 at step 2" in resumed.stdout, resumed.stdout[-2000:]
+    got = train_losses(run)
+    print(f"\nuninterrupted {fsdp_pp['loss']}\nkilled+resumed {got}")
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, fsdp_pp["loss"])) <= TOL
+    out = tmp_path / "hf"
+    export = run_cli([str(run / "checkpoints" / "step-00000003"), str(out)], module="qwen3_research.export",
+                     timeout=300)
+    assert_ok(export)
+    report = json.loads(export.stdout.strip().splitlines()[-1])
+    print(report)
+    assert report["step"] == 3 and report["missing_keys"] == report["unexpected_keys"] == []
+    assert report["max_abs_logit_diff"] <= TOL and (out / "config.json").exists()
