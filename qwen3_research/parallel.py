@@ -329,7 +329,11 @@ def fsdp_precision(model) -> tuple[str, str] | None:
 
     for module in model_modules(model):
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
+            # a unit may hold several groups (torch's per-parameter meshes: a pipelined stage's root with EP);
+            # they share the unit's policy
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch < 2.12: one group per unit
+            group = (groups[0] if groups else None) if groups is not None else state._fsdp_param_group
             if group is not None:
                 mp = group.mp_policy
                 return tuple(str(d).replace("torch.", "") if d is not None else "float32"
