@@ -62,7 +62,7 @@ from qwen3_research.config import (CPU_RANKS_PER_CORE, RunConfig, keys_read_by, 
                                    validate)
 from qwen3_research.errors import ConfigError, check_writable, log_call
 from qwen3_research.models import registry
-from qwen3_research.parallel import check_pipeline_batch, has_fsdp_units, validate_degrees
+from qwen3_research.parallel import PP_SCHEDULES, check_pipeline_batch, has_fsdp_units, validate_degrees
 
 
 @dataclass(frozen=True)
@@ -299,6 +299,10 @@ def check_pipeline_run(rc: RunConfig, degrees) -> None:
     if rc.model.lora.enable:
         raise ConfigError(f"model.lora.enable=true with {pp}: LoRA adapters are not split into pipeline stages yet; "
                           "use parallelism.pp=1")
+    if rc.training.eval_every and PP_SCHEDULES[degrees.pp_schedule] == "v":
+        raise ConfigError(f"training.eval_every={rc.training.eval_every} with parallelism.pp_schedule={degrees.pp_schedule}: "
+                          "torch's forward-only run of a V schedule fails (its local stage-to-stage hand-over expects "
+                          "a backward); set training.eval_every=0 or use another parallelism.pp_schedule")
     if rc.checkpoint.export_hf:
         raise ConfigError(f"checkpoint.export_hf=true with {pp}: the run's own export needs the whole model on a rank; "
                           "set checkpoint.export_hf=false and export a saved checkpoint (DCP, any layout) with "

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen3_research.parallel import PP_SCHEDULES
 from tests.conftest import FAST
 
 TOL = 1e-5  # fp32: the issue measured the schedules equal to one process within 1.5e-8 on the gradients
@@ -48,7 +49,10 @@ def train(overrides: list[str], run_dir: str) -> dict:
             norms.append(norm)
         pipeline = trainer.step.pipeline
         stages = None if pipeline is None else list(pipeline.stages)
-        return {"loss": losses, "grad_norm": norms, "stages": trainer.where.gather(stages)}  # every rank's
+        # the forward-only schedule (torch's eval; refused for V schedules: resolve.check_pipeline_run)
+        v_schedule = pipeline is not None and PP_SCHEDULES[trainer.run.degrees.pp_schedule] == "v"
+        return {"loss": losses, "grad_norm": norms, "eval": None if v_schedule else trainer.step.evaluate(),
+                "stages": trainer.where.gather(stages)}  # every rank's
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -84,9 +88,10 @@ def run_group(cases: dict, tmp_path: Path, world: int) -> dict:
 
 
 def worst(ref: dict, got: dict) -> tuple[float, float]:
-    """(largest loss difference, largest relative grad-norm difference) over the steps."""
+    """(largest loss difference, the evaluation loss's included; largest relative grad-norm difference)."""
     assert len(ref["loss"]) == len(got["loss"]) == STEPS
-    loss = max(abs(a - b) for a, b in zip(ref["loss"], got["loss"]))
+    evals = [(ref["eval"], got["eval"])] if got["eval"] is not None else []
+    loss = max(abs(a - b) for a, b in [*zip(ref["loss"], got["loss"]), *evals])
     norm = max(abs(a - b) / a for a, b in zip(ref["grad_norm"], got["grad_norm"]))
     return loss, norm
 
@@ -137,6 +142,8 @@ REFUSED = {  # overrides -> fragments of the one line
     "world": ([*PP, "parallelism.tp=2"], ["parallelism.dp_replicate×tp×pp=1×2×2=4 does not divide the world size"]),
     "hf_backend": (["model=hf", "model.path=/nonexistent", *PP], ["parallelism.pp=2 needs model=native"]),
     "document_masking": ([*PP, "data.document_masking=true"], ["data.document_masking=true with parallelism.pp=2"]),
+    "v_schedule_eval": ([*PP, "parallelism.pp_schedule=ZBVZeroBubble", "training.eval_every=1"],
+                        ["training.eval_every=1 with parallelism.pp_schedule=ZBVZeroBubble", "training.eval_every=0"]),
 }
 
 
