@@ -155,6 +155,23 @@ class ParallelismConfig:
     always does)."""
     ep: int = 1
     """Expert-parallel degree for MoE flavors (parallel.py, titan/)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's layers split into pp stages on as many ranks, run by torchtitan's own
+    pipelining (``pipeline_llm``, titan/v03.py) and torch's schedules. The world is dp_replicate×dp_shard×tp×pp.
+    torchtitan 0.3.x and model=native only, and not with tied embeddings (each stage would hold its own copy of
+    the tied weight and train it apart: a flavor like tiny is refused, tiny_untied is its untied twin) (parallel.py)."""
+    pp_schedule: str = "1F1B"
+    """With pp > 1: the pipeline schedule, a name torch.distributed.pipelining's get_schedule_class accepts:
+    1F1B, GPipe (one stage per rank), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages per rank),
+    ZBVZeroBubble, DualPipeV (two stages per rank in a V) (parallel.PP_SCHEDULES)."""
+    pp_microbatches: int = 0
+    """With pp > 1: micro-batches per pipeline step (each of data.batch_size / pp_microbatches sequences; it must
+    divide data.batch_size); 0 (auto): pp, or the 2×pp stages DualPipeV needs. training.grad_accum repeats the
+    whole pipeline step (parallel.py)."""
+    pp_layers_per_stage: int = 0
+    """With pp > 1: transformer layers per pipeline stage (the embedding and the norm+lm_head count one each, as
+    torchtitan weighs them); 0 (auto): torchtitan's even split over pp stages per rank-stage. The stages must come
+    out a multiple of pp, one per rank for 1F1B/GPipe, two or more for the others (parallel.py)."""
     activation_checkpoint: str = "none"
     """none | selective | full: recompute activations in backward (titan/ applies torchtitan's AC; the planner
     models it)."""
@@ -650,11 +667,14 @@ def validate(cfg: RunConfig | DictConfig) -> RunConfig:
     p = cfg.parallelism
     if p.nproc_per_node == 0 or p.nproc_per_node < -1:
         raise ConfigError(f"parallelism.nproc_per_node must be -1 (auto: every device of the host) or >= 1, got {p.nproc_per_node}")
-    for key in ("nnodes", "dp_replicate", "tp", "ep"):
+    for key in ("nnodes", "dp_replicate", "tp", "ep", "pp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
+    for key in ("pp_microbatches", "pp_layers_per_stage"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"parallelism.{key} must be >= 0 (0: auto), got {getattr(p, key)}")
     if p.rdzv_timeout_s < 1:
         raise ConfigError(f"parallelism.rdzv_timeout_s must be >= 1 (seconds the nodes have to meet), got {p.rdzv_timeout_s}")
     _choice("parallelism.activation_checkpoint", p.activation_checkpoint, {"none", "selective", "full"})

@@ -19,10 +19,18 @@ class Degrees:
     tp: int
     ep: int
     sequence_parallel: bool
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1  # per pipeline step, resolved (1 without pp)
+    pp_layers_per_stage: int = 0  # 0: torchtitan's split
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
 
     @property
     def sharded(self) -> bool:
@@ -30,7 +38,18 @@ class Degrees:
 
     def describe(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
-        return f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp}{sp} ep={self.ep}"
+        pp = f" pp={self.pp} ({self.pp_schedule}, {self.pp_microbatches} microbatches)" if self.pipelined else ""
+        return f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp}{sp} ep={self.ep}{pp}"
+
+
+# The schedules torch.distributed.pipelining.schedules.get_schedule_class names (torch 2.10-2.14), by how many
+# stages each rank holds: one (single), several in a loop (looped), two in a V. tests/test_pipeline.py checks the
+# names against torch's map. PipelineScheduleSingle/Multi are its abstract bases (torchtitan refuses them).
+PP_SCHEDULES = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "looped", "LoopedBFS": "looped",
+                "InterleavedZeroBubble": "looped", "ZBVZeroBubble": "v", "DualPipeV": "v"}
+# torchtitan's stage split weighs the embedding and the norm+lm_head as one layer each
+# (ParallelismConfig.pipeline_parallel_first/last_stage_less_layers' defaults)
+PP_EDGE_LAYERS = 2
 
 
 def validate_degrees(
@@ -42,6 +61,8 @@ def validate_degrees(
     num_experts: int | None = None,
     is_moe: bool = False,
     world_size: int | None = None,
+    n_layers: int | None = None,
+    tie_embeddings: bool | None = None,
 ) -> Degrees:
     """Resolve dp_shard=-1 and check every degree; each failure is one line naming the keys and a fix.
 
@@ -58,24 +79,26 @@ def validate_degrees(
                else f"set parallelism.nproc_per_node and parallelism.nnodes so their product is {world_size}")
         )
     world = asked
-    others = p.dp_replicate * p.tp
+    others = p.dp_replicate * p.tp * p.pp
     if p.dp_shard == -1:
         if world % others:
+            what = "dp_replicate×tp" + ("×pp" if p.pp > 1 else "")
+            values = f"{p.dp_replicate}×{p.tp}" + (f"×{p.pp}" if p.pp > 1 else "")
             raise ConfigError(
-                f"parallelism.dp_replicate×tp={p.dp_replicate}×{p.tp}={others} does not divide the world size "
+                f"parallelism.{what}={values}={others} does not divide the world size "
                 f"nproc_per_node×nnodes={world} (dp_shard=-1 takes the rest); set parallelism.nproc_per_node to a "
                 f"multiple of {others}, or tp / dp_replicate to divisors of {world}"
             )
         dp_shard = world // others
     else:
         dp_shard = p.dp_shard
-        if p.dp_replicate * dp_shard * p.tp != world:
+        if p.dp_replicate * dp_shard * p.tp * p.pp != world:
+            product = p.dp_replicate * dp_shard * p.tp * p.pp
             fix = (f"set parallelism.dp_shard=-1 (the rest: {world // others})" if world % others == 0
-                   else f"set parallelism.nproc_per_node={p.dp_replicate * dp_shard * p.tp // p.nnodes or 1}")
-            raise ConfigError(
-                f"parallelism.dp_replicate×dp_shard×tp={p.dp_replicate}×{dp_shard}×{p.tp}="
-                f"{p.dp_replicate * dp_shard * p.tp} must equal nproc_per_node×nnodes={world}; {fix}"
-            )
+                   else f"set parallelism.nproc_per_node={product // p.nnodes or 1}")
+            what = "dp_replicate×dp_shard×tp" + ("×pp" if p.pp > 1 else "")
+            values = f"{p.dp_replicate}×{dp_shard}×{p.tp}" + (f"×{p.pp}" if p.pp > 1 else "")
+            raise ConfigError(f"parallelism.{what}={values}={product} must equal nproc_per_node×nnodes={world}; {fix}")
     if p.tp > 1 and n_heads is not None:
         kv = n_kv_heads or n_heads
         if n_heads % p.tp or kv % p.tp:
@@ -110,6 +133,7 @@ def validate_degrees(
                 f"parallelism.ep={p.ep} must divide dp_shard×tp={dp_shard}×{p.tp}={dp_shard * p.tp} (experts are "
                 f"sharded over the data-parallel and tensor-parallel ranks); use a smaller parallelism.ep or more ranks"
             )
+    microbatches = check_pipeline(p, n_layers=n_layers, tie_embeddings=tie_embeddings)
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun (and in our workers) the group has met already
         check_rendezvous_endpoint(p)
     if (p.nnodes > 1 and is_loopback(p.rdzv_endpoint) and slurm.job_nodelist() is None
@@ -119,7 +143,68 @@ def validate_degrees(
             f"every node (got {p.rdzv_endpoint!r}, this machine only); or start with hydra/launcher=slurm, which "
             "takes the head node from Slurm"
         )
-    return Degrees(world, p.dp_replicate, dp_shard, p.tp, p.ep, p.sequence_parallel)
+    return Degrees(world, p.dp_replicate, dp_shard, p.tp, p.ep, p.sequence_parallel, p.pp, p.pp_schedule,
+                   microbatches, p.pp_layers_per_stage)
+
+
+def check_pipeline(p: ParallelismConfig, *, n_layers: int | None, tie_embeddings: bool | None) -> int:
+    """The pipeline keys checked before any worker starts (what torchtitan's ``pipeline_llm`` and torch's schedules
+    would refuse, or, for tied embeddings, silently get wrong); returns the micro-batches per pipeline step (1
+    without pp). The batch is checked once resolved (``check_pipeline_batch``)."""
+    if p.pp == 1:
+        return 1
+    kind = PP_SCHEDULES.get(p.pp_schedule)
+    if kind is None:
+        raise ConfigError(f"parallelism.pp_schedule={p.pp_schedule!r} is not a pipeline schedule torch offers; use "
+                          f"one of {list(PP_SCHEDULES)}")
+    if n_layers is None:
+        raise ConfigError(f"parallelism.pp={p.pp} needs model=native (torchtitan's Qwen3 pipelining); this model "
+                          "backend has no pipeline stages: set parallelism.pp=1")
+    if tie_embeddings:
+        # torchtitan refuses this only in Decoder.Config.update_from_config, which pipeline_llm never calls: each
+        # stage deep-copies the tied weight and trains its own copy (gradients measured off by 0.12)
+        raise ConfigError(f"parallelism.pp={p.pp} cannot pipeline a model with tied embeddings (the first and last "
+                          "stages would each train their own copy of the shared weight); use an untied flavor "
+                          "(model.flavor=tiny_untied, 8B and larger) or parallelism.pp=1")
+    units = n_layers + PP_EDGE_LAYERS
+    if p.pp_layers_per_stage:
+        stages = -(-units // p.pp_layers_per_stage)
+    else:
+        stages = p.pp * (1 if kind == "single" else 2)
+    per_rank, rest = divmod(stages, p.pp)
+    need = "exactly 1" if kind == "single" else "exactly 2" if kind == "v" else "at least 2"
+    if rest or (kind == "single" and per_rank != 1) or (kind == "v" and per_rank != 2) or per_rank < 1 \
+            or (kind == "looped" and per_rank < 2):
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule} needs {need} stage(s) per rank, but parallelism.pp_layers_per_stage="
+            f"{p.pp_layers_per_stage} makes {stages} stages of the {n_layers} layers (+{PP_EDGE_LAYERS} for the "
+            f"embedding and lm_head) on pp={p.pp} ranks; set parallelism.pp_layers_per_stage=0 (auto) or another value")
+    if stages > units:
+        raise ConfigError(
+            f"parallelism.pp={p.pp} with pp_schedule={p.pp_schedule} makes {stages} stages, more than the model's "
+            f"{n_layers} layers (+{PP_EDGE_LAYERS} for the embedding and lm_head) can fill; lower parallelism.pp or "
+            "use a single-stage schedule (1F1B, GPipe)")
+    needed = stages if p.pp_schedule == "DualPipeV" else p.pp
+    microbatches = p.pp_microbatches or needed
+    if microbatches < needed:
+        raise ConfigError(f"parallelism.pp_microbatches={microbatches}: pp_schedule={p.pp_schedule} needs at least "
+                          f"{needed} (one per {'stage' if p.pp_schedule == 'DualPipeV' else 'pipeline rank'}); set "
+                          f"parallelism.pp_microbatches={needed} or 0 (auto)")
+    rounds = max(1, microbatches // p.pp)
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
+        # torch's interleaved schedules run the micro-batches in max(1, n // pp) equal rounds
+        raise ConfigError(f"parallelism.pp_microbatches={microbatches} with pp_schedule={p.pp_schedule} must split "
+                          f"into {rounds} equal rounds (n // pp); use parallelism.pp_microbatches={rounds * p.pp}")
+    return microbatches
+
+
+def check_pipeline_batch(d: Degrees, batch_size: int) -> None:
+    """The pipeline's micro-batches are equal slices of the per-rank data.batch_size."""
+    if d.pipelined and batch_size % d.pp_microbatches:
+        raise ConfigError(f"parallelism.pp_microbatches={d.pp_microbatches} must divide the per-rank data.batch_size="
+                          f"{batch_size} (each micro-batch is an equal slice); use data.batch_size="
+                          f"{-(-batch_size // d.pp_microbatches) * d.pp_microbatches} or another "
+                          "parallelism.pp_microbatches")
 
 
 def check_rendezvous_endpoint(p: ParallelismConfig) -> None:
@@ -230,14 +315,25 @@ def has_fsdp_units(d: Degrees, *, torchtitan: bool) -> bool:
     return d.dp_shard > 1 or d.dp_replicate > 1
 
 
+def model_modules(model) -> list:
+    """Every module of ``model``; a pipelined model's (``StageParts``) with its stages' roots, which hold FSDP
+    units of their own outside its module tree."""
+    parts = getattr(model, "stage_parts", None)
+    return [m for part in parts for m in part.modules()] if parts else list(model.modules())
+
+
 def fsdp_precision(model) -> tuple[str, str] | None:
     """(param_dtype, reduce_dtype) of the MixedPrecisionPolicy of ``model``'s FSDP2 units, None without FSDP2 units
     (a policy dtype of None, i.e. the parameter's own, is reported as float32)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in model_modules(model):
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
+            # a unit may hold several groups (torch's per-parameter meshes: a pipelined stage's root with EP);
+            # they share the unit's policy
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch < 2.12: one group per unit
+            group = (groups[0] if groups else None) if groups is not None else state._fsdp_param_group
             if group is not None:
                 mp = group.mp_policy
                 return tuple(str(d).replace("torch.", "") if d is not None else "float32"
@@ -257,7 +353,7 @@ def sum_gradients_over_dp(model, degrees: Degrees) -> float:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in model_modules(model):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     return 1.0 / degrees.dp
@@ -276,7 +372,7 @@ def reshard(model) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in model_modules(model):
         if isinstance(module, FSDPModule):
             module.reshard()
 

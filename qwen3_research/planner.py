@@ -28,6 +28,7 @@ from qwen3_research import compiling, lora_params, models, parallel, tables, tit
 from qwen3_research import devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
+from qwen3_research.errors import ConfigError
 from qwen3_research.resolve import ResolvedRun, resolve_run
 from qwen3_research.step import Placement, build_step
 
@@ -309,6 +310,9 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     trace rank 0 and the largest rank (only rank 0 when every shard is even, unless ``trace_all``)."""
     run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
+    if degrees.pipelined:
+        raise ConfigError(f"parallelism.pp={degrees.pp}: the memory plan does not trace pipeline stages yet (issue 42, "
+                          "part 2); plan the run with parallelism.pp=1, or run it without a plan")
     planned = run.config["device"]["type"]
     spec = devices.get(run.device_type)  # the resolved kind: the planned one when this host lacks it
     gpu_peak = None

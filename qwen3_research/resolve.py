@@ -62,7 +62,7 @@ from qwen3_research.config import (CPU_RANKS_PER_CORE, RunConfig, keys_read_by, 
                                    validate)
 from qwen3_research.errors import ConfigError, check_writable, log_call
 from qwen3_research.models import registry
-from qwen3_research.parallel import has_fsdp_units, validate_degrees
+from qwen3_research.parallel import PP_SCHEDULES, check_pipeline_batch, has_fsdp_units, validate_degrees
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     degrees = validate_degrees(dataclasses.replace(p, nproc_per_node=nproc), seq_len=rc.data.seq_len,
                                world_size=_torchrun_world_size(), **facts)
     batch_size = resolve_batch_size(rc, degrees.dp)
+    check_pipeline_batch(degrees, batch_size)
     config = {**config, "data": {**config["data"], "batch_size": batch_size}}
     rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, batch_size=batch_size))
     spec = models.check(rc.model)
@@ -258,6 +259,8 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
                                                None if spec.compiles_under_tp else f"model={spec.name}")
     decision = compiling.decide(rc, kind, is_moe=bool(facts.get("is_moe")), probe=not elsewhere and not plan,
                                 tp_blocker=tp_blocker)
+    decision = _compile_with_pipeline(rc, degrees, decision)
+    check_pipeline_run(rc, degrees)
     config = {**config, "compile": {**config["compile"], "enable": decision.enable}}
     rc = dataclasses.replace(rc, compile=dataclasses.replace(rc.compile, enable=decision.enable))
     if prepare is not None:
@@ -283,6 +286,40 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
                        kernel_targets=targets, kernel_warnings=caught, planned_elsewhere=elsewhere, compile=decision,
                        precision=precision,
                        tokens_per_step=batch_size * degrees.dp * rc.training.grad_accum * rc.data.seq_len)
+
+
+def check_pipeline_run(rc: RunConfig, degrees) -> None:
+    """What a pipelined run (parallelism.pp > 1) does not do yet, one line each before any worker starts."""
+    if not degrees.pipelined:
+        return
+    pp = f"parallelism.pp={degrees.pp}"
+    if rc.data.document_masking:
+        raise ConfigError(f"data.document_masking=true with {pp}: the per-document positions and masks are not passed "
+                          "between pipeline stages yet; use data.document_masking=false or parallelism.pp=1")
+    if rc.model.lora.enable:
+        raise ConfigError(f"model.lora.enable=true with {pp}: LoRA adapters are not split into pipeline stages yet; "
+                          "use parallelism.pp=1")
+    if rc.training.eval_every and PP_SCHEDULES[degrees.pp_schedule] == "v":
+        raise ConfigError(f"training.eval_every={rc.training.eval_every} with parallelism.pp_schedule={degrees.pp_schedule}: "
+                          "torch's forward-only run of a V schedule fails (its local stage-to-stage hand-over expects "
+                          "a backward); set training.eval_every=0 or use another parallelism.pp_schedule")
+    if rc.checkpoint.export_hf:
+        raise ConfigError(f"checkpoint.export_hf=true with {pp}: the run's own export needs the whole model on a rank; "
+                          "set checkpoint.export_hf=false and export a saved checkpoint (DCP, any layout) with "
+                          "python -m qwen3_research.export <checkpoint> <out_dir>")
+    if rc.model.moe.balance == "aux_loss":
+        raise ConfigError(f"model.moe.balance=aux_loss with {pp}: the auxiliary loss lives on every stage and the "
+                          "schedule backpropagates only the last stage's loss; use model.moe.balance=bias (or auto)")
+
+
+def _compile_with_pipeline(rc: RunConfig, degrees, decision: compiling.CompileDecision) -> compiling.CompileDecision:
+    """compile.enable with parallelism.pp > 1: the per-block compile works on the whole model, not on stages yet."""
+    if not degrees.pipelined or not decision.enable:
+        return decision
+    if rc.compile.enable is True:
+        raise ConfigError(f"compile.enable=true with parallelism.pp={degrees.pp}: the stages are not compiled yet; use "
+                          "compile.enable=false (or auto)")
+    return dataclasses.replace(decision, enable=False, reason="auto: off with parallelism.pp > 1 (stages are not compiled yet)")
 
 
 def planned_elsewhere(device_type: str) -> bool:

@@ -35,6 +35,7 @@ from qwen3_research.loss import column_major_lm_head, lm_loss
 from qwen3_research.memory import gather_objects
 from qwen3_research.optim import build_optimizer
 from qwen3_research.parallel import Degrees
+from qwen3_research.pipeline import Pipeline
 from qwen3_research.resolve import ResolvedRun
 from qwen3_research.routing import RoutingMonitor
 from qwen3_research.run.train_state import TrainState
@@ -116,6 +117,7 @@ class Step:
     loss_tokens: int | None = None  # label tokens in the loss in the last step, over every data-parallel rank
     # Called before the optimizer changes the weights (the Trainer's: an asynchronous checkpoint's staging done)
     before_update: Callable[[], None] | None = None
+    pipeline: Pipeline | None = None  # parallelism.pp > 1: the schedule that runs this rank's stages
 
     @property
     def cfg(self):
@@ -158,6 +160,8 @@ class Step:
             total[0] += self.forward_backward(batch, (n, n_step))
             total[1] += n
         grad_norm = self.clip_gradients()
+        if self.pipeline is not None:
+            total = self.pipeline.sum_over_stages(total)
         total = self.all_reduce_sum(total)  # one collective for both
         loss_value = float(total[0] / total[1]) if total[1] > 0 else float("nan")
         grad_value = float(grad_norm)
@@ -195,6 +199,11 @@ class Step:
         t = self.cfg.training
         inputs = batch.inputs.to(self.torch_device)
         labels = batch.labels.to(self.torch_device)
+        if self.pipeline is not None:  # the schedule runs forward, loss and backward of every micro-batch
+            self.pipeline.n_step = tokens[1] if tokens is not None else t.grad_accum * label_tokens(batch)
+            self.pipeline.scale = self.dp_size * self.loss_scale
+            with self.where.device.autocast(self.autocast):
+                return self.pipeline.run(inputs, labels, train=True)
         positions = None if batch.positions is None else batch.positions.to(self.torch_device)
         mean = self.loss(inputs, labels, positions)
         if tokens is None:
@@ -217,7 +226,9 @@ class Step:
         """Clip the gradients to optimizer.grad_clip (0: no clipping); their total norm before clipping."""
         max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
         params = [p for p in self.backend.model.parameters() if p.grad is not None]
-        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1)
+        # pipelined: the norm of every stage's gradients (torchtitan sums the squares over the pp mesh)
+        pp_mesh = self.where.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
+        norm = titan.clip_grad_norm_(params, max_norm, ep_enabled=self.degrees.ep > 1, pp_mesh=pp_mesh)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def optimizer_step(self) -> None:
@@ -265,7 +276,12 @@ class Step:
             for b in batches:
                 positions = None if b.positions is None else b.positions.to(self.torch_device)
                 n = label_tokens(b)
-                if n:
+                if self.pipeline is not None:  # forward only, through the schedule
+                    with self.where.device.autocast(self.autocast):
+                        total[0] += self.pipeline.run(b.inputs.to(self.torch_device), b.labels.to(self.torch_device),
+                                                      train=False)
+                    total[1] += n
+                elif n:
                     total[0] += self.loss(b.inputs.to(self.torch_device), b.labels.to(self.torch_device), positions) * n
                     total[1] += n
                 else:  # nothing to score; the forward still runs (FSDP's collectives), its 0/0 mean is dropped
@@ -273,6 +289,8 @@ class Step:
         finally:
             model.train()
             parallel.reshard(model)  # a forward without backward leaves FSDP's root unit gathered
+        if self.pipeline is not None:
+            total = self.pipeline.sum_over_stages(total)
         total = self.all_reduce_sum(total)  # the mean over every held-out label token, as the training loss
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -323,8 +341,20 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
               flush=True)
     kernel_plan = apply_overrides(backend.model, cfg, where.device, dtype=run.precision.compute_dtype) \
         if cfg.kernels.entries else {}
-    loss_scale = 1.0
-    if degrees.sharded:
+    loss_scale, pipeline = 1.0, None
+    if degrees.pipelined:  # torchtitan's pipeline_llm: this rank's stages, each sharded as below, and the schedule
+        pipeline = Pipeline(group=where.parallel_dims.get_mesh("pp").get_group(), microbatches=degrees.pp_microbatches,
+                            chunk_tokens=cfg.training.loss_chunk_tokens if cfg.training.loss == "chunked" else None)
+        pipeline.schedule, pipeline.stages, pipeline.has_first, pipeline.has_last = backend.pipeline(
+            where.parallel_dims, tt, loss_fn=pipeline.loss, local_batch_size=cfg.data.batch_size,
+            microbatches=degrees.pp_microbatches)
+        if pipeline.has_last and pipeline.chunk_tokens is not None:  # the last stage returns hidden states
+            last = backend.model.stage_parts[pipeline.stages.index(max(pipeline.stages))]
+            last._skip_lm_head = True
+            pipeline.lm_head = lambda: last.lm_head.weight
+        devices.after_sharding(where.device, backend.model)
+        loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
+    elif degrees.sharded:
         backend.parallelize(where.parallel_dims, tt)
         devices.after_sharding(where.device, backend.model)
         loss_scale = parallel.sum_gradients_over_dp(backend.model, degrees)
@@ -334,7 +364,10 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         lora.freeze_base(backend.model)
         if not where.trace:  # after the weights exist (materialized, sharded): seeded by name
             lora.init_adapters(backend.model, cfg.training.seed)
-    column_major_lm_head(backend.lm_head_module(), where.device.torch_device.type, compute_dtype(run))
+    if pipeline is None or pipeline.has_last:  # the lm_head (pipelined: the last stage's part holds it)
+        head = backend.lm_head_module() if pipeline is None else \
+            backend.model.stage_parts[pipeline.stages.index(max(pipeline.stages))].lm_head
+        column_major_lm_head(head, where.device.torch_device.type, compute_dtype(run))
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))
@@ -357,7 +390,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         tokenizer=tokenizer, data=data, data_layout=layout, dp_rank=dp_rank, dp_size=dp_size, eval_every=eval_every,
         backend=backend, kernel_plan=kernel_plan, loss_scale=loss_scale, routing=routing,
         precision=precision, autocast=autocast, compiled=compiled, cross_entropy=cross_entropy,
-        optimizer=optimizer, scheduler=scheduler, state=state,
+        optimizer=optimizer, scheduler=scheduler, state=state, pipeline=pipeline,
     )
 
 

@@ -67,6 +67,8 @@ class Trainer:
         self.device_facts = where.gather({**where.device.facts(compute_dtype(run)), "cpu_allocator": allocator.status(),
                                           "spawned": allocator.started_by_spawn()})  # as this rank observes them
         self.step = step = build_step(run, where, run_dir=self.run_dir)
+        if step.pipeline is not None:  # summary.json names each rank's pipeline stages (collective)
+            self.device_facts = [{**f, "pp_stages": s} for f, s in zip(self.device_facts, where.gather(step.pipeline.stages))]
         self.checkpointer = Checkpointer(
             step.state, cfg.checkpoint, run_dir=self.run_dir, total_steps=cfg.training.steps,
             layout=run.degrees.describe(), data_layout=step.data_layout, config=dataclasses.asdict(cfg),
@@ -87,6 +89,8 @@ class Trainer:
                "peak_pct": round(m.peak_pct, 3), "capacity_gib": round(m.capacity_gib, 2)}
         if self.step.state_bytes is not None:
             row["state_bytes"] = self.step.state_bytes["total"]
+        if self.step.pipeline is not None:  # the memory of a pipelined run is per stage
+            row["pp_stages"] = self.step.pipeline.stages
         return self.where.gather(row)
 
     def summary(self) -> dict:

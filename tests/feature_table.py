@@ -32,6 +32,7 @@ ROWS = (
     "tensor parallel without sequence parallel",
     "MoE (model=native_moe) on CPU",
     "expert parallel (parallelism.ep)",
+    "pipeline parallel (parallelism.pp)",
     "MoE balance: auxiliary loss",
     "MoE balance: expert bias",
     "routing statistics",

@@ -60,6 +60,7 @@ EXPECTED = {  # option -> (extra overrides, world, dp_replicate, dp_shard, tp, s
     "fsdp_tp": ([], 4, 1, 2, 2, True, 1),
     "hsdp": ([], 4, 2, 2, 1, False, 1),
     "ep2": (["model=native_moe"], 2, 1, 2, 1, False, 2),
+    "pp2": (["model.flavor=tiny_untied"], 2, 1, 1, 1, False, 1),  # and pp=2 (tests/test_pipeline.py)
     "trn2": (["model.flavor=0.6B"], 64, 1, 64, 1, False, 1),
     "trn2_tp": (["model.flavor=0.6B"], 64, 1, 16, 4, True, 1),
 }

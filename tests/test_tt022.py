@@ -219,6 +219,20 @@ def test_tp_without_sequence_parallel_is_a_one_line_config_error(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@only_on_legacy("test_pipeline.py::test_every_schedule_on_two_stages_equals_one_process pipelines on 0.3.0")
+@pytest.mark.feature("pipeline parallel (parallelism.pp)", refused="0.2.x registers Qwen3 without pipelining")
+def test_pipeline_parallel_is_a_one_line_config_error(tmp_path):
+    """0.2.2's Qwen3 ModelSpec has pipelining_fn=None: exit 2, one line naming the torchtitan needed, no worker."""
+    proc = run_cli(["model.flavor=tiny_untied", "parallelism.nproc_per_node=2", "parallelism.pp=2", *FAST],
+                   run_dir=tmp_path / "run")
+    err = proc.stderr.strip()
+    print(f"\n{err}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(err.splitlines()) == 1 and ("parallelism.pp=2 needs torchtitan>=0.3.0 (found 0.2.2): 0.2.x registers "
+                                           "Qwen3 without pipelining") in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # -- kernels on both APIs (issue 22): never a vacuous pass, the contract doubles verify, MoE aligned ----
 
 

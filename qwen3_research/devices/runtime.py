@@ -211,6 +211,8 @@ def after_sharding(device: Device, model: torch.nn.Module) -> None:
         return
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+    # a pipelined model's stages are FSDP units at their roots, outside its module tree (models/native StageParts)
+    for part in getattr(model, "stage_parts", None) or [model]:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)

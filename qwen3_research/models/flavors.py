@@ -35,6 +35,10 @@ class Flavor:
 
 DENSE = {
     "tiny": Flavor(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384),
+    # tiny's dimensions, untied and 6 layers deep: what pipeline parallel can split on CPU (parallelism.pp refuses
+    # tied embeddings) into 2 or 4 ranks of one or two stages each (6 layers + embedding + lm_head = 8 units)
+    "tiny_untied": Flavor(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
+                          tie_embeddings=False),
     "debug": Flavor(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=768),
     "0.6B": Flavor(1024, 28, 16, 8, 128, 3072, max_seq_len=40960, torchtitan_name="0.6B"),
     "1.7B": Flavor(2048, 28, 16, 8, 128, 6144, max_seq_len=40960, torchtitan_name="1.7B"),

@@ -191,12 +191,14 @@ def saved_tensor_shapes(path: Path) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def check_model_matches(path: Path, model_state: dict, *, what: str) -> None:
-    """A one-line ConfigError unless the checkpoint's model tensors have the current model's names and shapes."""
+def check_model_matches(path: Path, model_state: dict, *, what: str, stage_only: bool = False) -> None:
+    """A one-line ConfigError unless the checkpoint's model tensors have the current model's names and shapes.
+    ``stage_only``: ``model_state`` is one rank's pipeline stages (parallelism.pp), a part of the whole model's
+    names: the checkpoint's other tensors are the other stages'."""
     saved = {k[len("model."):]: v for k, v in saved_tensor_shapes(path).items() if k.startswith("model.")}
     current = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(current) - set(saved))
-    extra = sorted(set(saved) - set(current))
+    extra = [] if stage_only else sorted(set(saved) - set(current))
     differ = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
     if not (missing or extra or differ):
         return
@@ -344,7 +346,8 @@ class Checkpointer:
         if self.cfg.resume:
             self.resume_from = find_checkpoint(self.cfg.resume, self.root)  # the launcher warned
             if self.resume_from is not None:  # fail before anything is written, on every rank
-                check_model_matches(self.resume_from, state.model_tensors(), what=f"checkpoint.resume={self.cfg.resume}")
+                check_model_matches(self.resume_from, state.model_tensors(), what=f"checkpoint.resume={self.cfg.resume}",
+                                    stage_only=state.stage_only)
                 refuse_layout_change(read_meta(self.resume_from).get("data_layout"), data_layout,
                                      self.resume_from, self.cfg.allow_data_change, quiet=not self.is_main)
 

@@ -65,6 +65,21 @@ class TrainState:
     def model_tensors(self) -> dict[str, torch.Tensor]:
         return model_tensors(self.model, self.save_frozen)
 
+    def _optim_options(self):
+        """Pipelined: the optimizer state flattened by parameter name (torchtitan's choice). Nested, its
+        ``param_groups`` are a list whose entries DCP keys by position, and every stage has a group 0 of other
+        parameters: DCP keeps one rank's copy, and the other stages resumed without their groups (KeyError 'betas'
+        in AdamW's step). Unpipelined checkpoints keep the nested format they always had."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True) if self.stage_only else None
+
+    @property
+    def stage_only(self) -> bool:
+        """The model is this rank's pipeline stages (parallelism.pp > 1): its tensors are a part of the whole
+        model's names, and a checkpoint holds every stage's."""
+        return getattr(unwrap(self.model), "stage_parts", None) is not None
+
     def progress(self) -> dict:
         """Everything the summary reports that a resumed run must carry on."""
         return {"skipped_steps": list(self.skipped_steps), "final_loss": self.final_loss,
@@ -75,7 +90,7 @@ class TrainState:
 
         return {
             "model": self.model_tensors(),
-            "optim": get_optimizer_state_dict(unwrap(self.model), self.optimizer),
+            "optim": get_optimizer_state_dict(unwrap(self.model), self.optimizer, options=self._optim_options()),
             "scheduler": _to_json_bytes(self.scheduler.state_dict()),
             "progress": _to_json_bytes({"step": self.step, **self.progress()}),
             self.rng_key: _rng_state(self.device_type),
@@ -86,7 +101,7 @@ class TrainState:
         (resumed under another world size) keeps this rank's generators."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(unwrap(self.model), self.optimizer, state["optim"])
+        set_optimizer_state_dict(unwrap(self.model), self.optimizer, state["optim"], options=self._optim_options())
         self.scheduler.load_state_dict(_from_json_bytes(state["scheduler"]))
         progress = _from_json_bytes(state["progress"])
         self.step = int(progress["step"])

@@ -37,7 +37,7 @@ API = (
     "nparams_and_flops", "init_weights", "parallelize_qwen3", "register_moe_load_balancing_hook",
     "state_dict_adapter", "parallel_dims", "training_configs", "apply_activation_checkpointing", "no_parallel",
     "mark_expert_counts_varying", "set_moe_load_balance", "attach_router_hooks", "document_attention_masks",
-    "separate_qkv",
+    "separate_qkv", "pipeline_qwen3",
 )
 
 
@@ -60,6 +60,7 @@ build_model = api.build_model  # the nn.Module (under torch.device("meta"))
 nparams_and_flops = api.nparams_and_flops  # (parameters, training FLOPs per token): torchtitan's formula
 init_weights = api.init_weights  # seeded init of the (full or sharded) model
 parallelize_qwen3 = api.parallelize_qwen3  # FSDP, TP/SP, EP, activation checkpointing
+pipeline_qwen3 = api.pipeline_qwen3  # pipeline stages (torchtitan's pipeline_llm), each sharded as above
 register_moe_load_balancing_hook = api.register_moe_load_balancing_hook
 state_dict_adapter = api.state_dict_adapter  # torchtitan's Qwen3 HF <-> native key mapping
 parallel_dims = api.parallel_dims  # torchtitan's ParallelDims for our degrees

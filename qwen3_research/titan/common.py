@@ -137,10 +137,13 @@ def native_only_buffer(key: str) -> bool:
 
 
 
-def clip_grad_norm_(params, max_norm: float, *, ep_enabled: bool):
+def clip_grad_norm_(params, max_norm: float, *, ep_enabled: bool, pp_mesh=None):
+    """torchtitan's clipping; ``pp_mesh``: the norm is of every stage's gradients (summed over the pipeline ranks)."""
     from torchtitan.distributed.utils import clip_grad_norm_ as tt_clip
 
-    return tt_clip(params, max_norm, foreach=True, ep_enabled=ep_enabled)
+    if pp_mesh is None:
+        return tt_clip(params, max_norm, foreach=True, ep_enabled=ep_enabled)
+    return tt_clip(params, max_norm, foreach=True, ep_enabled=ep_enabled, pp_mesh=pp_mesh)
 
 
 

@@ -31,6 +31,9 @@ def check_supported(rc, *, moe: bool) -> None:
     is a Qwen3-MoE (the backend's spec says so).
     """
     p = rc.parallelism
+    if p.pp > 1:
+        raise ConfigError(f"parallelism.pp={p.pp} {needs()}: 0.2.x registers Qwen3 without pipelining (its ModelSpec's "
+                          "pipelining_fn is None: 'qwen3 does not support pipelining'); set parallelism.pp=1")
     if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(
             f"parallelism.tp={p.tp} with parallelism.sequence_parallel=false {needs()}: 0.2.x always shards "
@@ -326,6 +329,11 @@ def parallel_dims(d):
         dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=1, ep=d.ep, etp=1,
         world_size=d.world_size,
     )
+
+
+def pipeline_qwen3(model, parallel_dims, tt, **kwargs):
+    """0.2.x has no Qwen3 pipelining (``check_supported`` refuses parallelism.pp > 1 before any worker starts)."""
+    raise ConfigError(f"parallelism.pp {needs()}: 0.2.x registers Qwen3 without pipelining; set parallelism.pp=1")
 
 
 def training_configs(d, *, activation_checkpoint: str, compile_backend: str, mixed_precision: str, run_dir: str):

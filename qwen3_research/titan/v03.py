@@ -141,6 +141,33 @@ def parallelize_qwen3(model, parallel_dims, tt) -> None:
     )
 
 
+def pipeline_qwen3(model, parallel_dims, tt, *, device, model_config, loss_fn, local_batch_size: int,
+                   microbatches: int):
+    """Split ``model`` into this rank's pipeline stages and shard each with torchtitan's Qwen3 plan: torchtitan's own
+    ``pipeline_llm`` (each stage a deep copy of the whole model with the other stages' modules deleted, so parameter
+    names stay the whole model's) and the torch schedule it builds. ``loss_fn(output, labels) -> scalar`` runs on
+    the last stage once per micro-batch; the schedule backpropagates each as it is (no scaling). Returns
+    (schedule, model parts, stage indices of the parts, has the first stage, has the last stage)."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.qwen3 import parallelize_qwen3 as tt_parallelize
+
+    def parallelize_part(part, **kwargs):
+        _masked_sdpa(part)  # as parallelize_qwen3 does for the whole model
+        out = tt_parallelize(part, **kwargs)
+        return part if out is None else out
+
+    parallelism = dataclasses.replace(tt.parallelism, pipeline_parallel_microbatch_size=local_batch_size // microbatches)
+    training = dataclasses.replace(tt.training, local_batch_size=local_batch_size)
+    schedule, parts, has_first, has_last = pipeline_llm(
+        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+        compile_config=tt.compile, ac_config=tt.activation_checkpoint, dump_folder=tt.dump_folder, device=device,
+        model_config=model_config, parallelize_fn=parallelize_part,
+        loss_fn=lambda *args, **kwargs: (loss_fn(*args, **kwargs), None),  # torchtitan's (loss, aux) contract
+    )
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # torch keeps them private
+    return schedule, parts, [s.stage_index for s in stages], has_first, has_last
+
+
 def register_moe_load_balancing_hook(optimizer, model, parallel_dims) -> None:
     from torchtitan.components.optimizer import register_moe_load_balancing_hook as hook
 
@@ -249,6 +276,9 @@ def parallelism_config(d):
         tensor_parallel_degree=d.tp,
         enable_sequence_parallel=d.sequence_parallel,
         expert_parallel_degree=d.ep,
+        pipeline_parallel_degree=d.pp,
+        pipeline_parallel_schedule=d.pp_schedule,
+        pipeline_parallel_layers_per_stage=d.pp_layers_per_stage or None,
         spmd_backend="partial_dtensor",
     )
 
@@ -264,7 +294,7 @@ def parallel_dims(d):
     # The model code (MoE token dispatch) reads this global, whose default is spmd_types.
     tt_dist.set_spmd_backend("partial_dtensor")
     return ParallelDims(
-        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=1, ep=d.ep,
+        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=1, tp=d.tp, pp=d.pp, ep=d.ep,
         world_size=d.world_size, spmd_backend="partial_dtensor",
     )
 

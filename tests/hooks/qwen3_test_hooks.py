@@ -123,6 +123,8 @@ def fault_methods(step_class, spec: str) -> dict:
         what = None if self.where.trace else _due(spec, ("raise", "nan", "kill", "oom"), step, rank)
         if what is None:
             return forward_backward(self, batch, tokens)
+        if what == "kill" and getattr(self, "pipeline", None) is not None:  # the schedule holds its own loss: die here
+            _inject_fault(what, spec, step, rank, None)
         loss = self.loss  # the fault acts on the micro-batch's loss, before its backward
         self.loss = lambda *a, **k: _inject_fault(what, spec, step, rank, loss(*a, **k))
         try:

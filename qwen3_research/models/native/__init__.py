@@ -50,7 +50,8 @@ def resolve_flavor(cfg: ModelConfig) -> tuple[str, Flavor]:
 
 def describe(cfg: ModelConfig) -> dict:
     _, f = resolve_flavor(cfg)
-    return {"n_heads": f.n_heads, "n_kv_heads": f.n_kv_heads, "num_experts": f.num_experts, "is_moe": f.num_experts > 0}
+    return {"n_heads": f.n_heads, "n_kv_heads": f.n_kv_heads, "num_experts": f.num_experts, "is_moe": f.num_experts > 0,
+            "n_layers": f.n_layers, "tie_embeddings": f.tie_embeddings}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -56,6 +56,31 @@ def _input_dtype_norm_class(base: type) -> type:
     return _NORM_CLASSES[base]
 
 
+class StageParts(nn.Module):
+    """This rank's pipeline stages seen as one model under the whole model's names.
+
+    torchtitan's split (``pipeline_llm``) makes each stage a deep copy of the whole model with the other stages'
+    modules deleted (None, or left out of ``layers``), so the parts' children never collide: here they are
+    children again (the same module objects), and ``named_parameters``, DCP's state dicts, the optimizer and
+    the clipping see the parameters by the names one process has. Never called: the schedule runs the parts.
+    The parts themselves (each an FSDP unit at its root) are ``stage_parts``, outside the module tree."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.__dict__["stage_parts"] = list(parts)
+        layers: dict[str, nn.Module] = {}
+        for part in parts:
+            for name, child in part.named_children():
+                if name == "layers":
+                    layers.update(child.items() if hasattr(child, "items") else enumerate(child))
+                elif child is not None:
+                    self.add_module(name, child)
+        self.layers = nn.ModuleDict({str(k): layers[k] for k in sorted(layers, key=int)})
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through its schedule (Step), not forward()")
+
+
 class NativeQwen3(ModelBackend):
     """torchtitan Qwen3 (dense or MoE) built from ``model.flavor``, or from ``model.init_from``'s config.json.
 
@@ -156,6 +181,26 @@ class NativeQwen3(ModelBackend):
         keep_embeddings_tied_through_tp(self.model)
         titan.parallelize_qwen3(self.model, parallel_dims, tt)
         self.materialize()
+
+    def pipeline(self, parallel_dims, tt, *, loss_fn, local_batch_size: int, microbatches: int):
+        """Split into this rank's pipeline stages (torchtitan's ``pipeline_llm``), each sharded with torchtitan's
+        Qwen3 plan; ``self.model`` becomes their ``StageParts``. Returns (schedule, stage indices, has the first
+        stage, has the last stage). A model initialized whole (up to FULL_INIT_MAX_PARAMS) keeps its seeded
+        weights in every stage; a larger one is initialized per stage."""
+        schedule, parts, stage_ids, has_first, has_last = titan.pipeline_qwen3(
+            self.model, parallel_dims, tt, device=self.device, model_config=self.model_config, loss_fn=loss_fn,
+            local_batch_size=local_batch_size, microbatches=microbatches)
+        self.model = StageParts(parts)
+        if not self._initialized:  # each stage's share of the seeded init (torchtitan's trainer does the same)
+            with torch.no_grad():
+                torch.manual_seed(self.seed)
+                for part in parts:
+                    part.to_empty(device=self.device)
+                    titan.init_weights(part, self.device)
+            self._initialized = True
+            if self.init_from:
+                load_hf_weights(self.model, self.model_config, self.init_from)
+        return schedule, stage_ids, has_first, has_last
 
     def finalize_single(self, tt) -> None:
         self.materialize()
