@@ -107,11 +107,17 @@ PP2 = {  # schedule -> its stages per rank as torchtitan splits 8 units (6 layer
 }
 
 
+# CI runs one schedule of each family (one stage per rank; looped; V-shaped), ~25 s each on 2 cores;
+# QWEN3_PP_ALL_SCHEDULES=1 runs all seven (all equal one process: issue 42's closing note has their figures).
+CI_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+
+
 @pytest.mark.feature("pipeline parallel (parallelism.pp)")
 @pytest.mark.slow
 def test_every_schedule_on_two_stages_equals_one_process(single, tmp_path):
+    names = list(PP2) if os.environ.get("QWEN3_PP_ALL_SCHEDULES") == "1" else CI_SCHEDULES
     cases = {name: ["parallelism.nproc_per_node=2", "parallelism.pp=2", f"parallelism.pp_schedule={name}"]
-             for name in PP2}
+             for name in names}
     results = run_group(cases, tmp_path, world=2)
     print(f"\nsingle: loss {[round(x, 6) for x in single['loss']]} grad_norm {[round(x, 6) for x in single['grad_norm']]}")
     for name, got in results.items():
