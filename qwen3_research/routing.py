@@ -22,7 +22,9 @@ tokens per expert, ``max_load`` (max / mean tokens per expert: 1 balanced, E/K w
 K experts), ``cv`` (standard deviation / mean), ``empty_frac`` (experts that got no token), ``entropy`` (the
 router's mean per-token entropy over ln E: 1 uniform, 0 one-hot) and, where an expert module pads (TorchNeuron's
 group alignment, the NKI kernel's blocks), ``padded_rows``. Aggregated over layers: the worst ``max_load`` and
-the mean of the others; padded rows summed.
+the mean of the others; padded rows summed. With ``bias``, ``moe_expert_bias``: the largest |expert bias| over
+layers after the step (0 at the start; it grows by ``bias_coef`` per step while the load stays uneven), the one
+figure that shows the balancing acts (the routing figures above look the same with the bias frozen).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from qwen3_research import titan
 from qwen3_research.errors import ConfigError
 
 HF_DEFAULT_AUX_COEF = 0.001  # transformers' Qwen3MoeConfig.router_aux_loss_coef default
@@ -134,6 +137,7 @@ class RoutingMonitor:
         # per layer: tokens per expert [E] | sum of router entropies | rows | padded rows; then sum aux | forwards
         self.acc = torch.zeros(n * (E + 3) + 2, dtype=torch.float32, device=device)
         self.padding = [m for m in backend.model.modules() if callable(getattr(m, "padded_rows", None))]
+        self.model = backend.model  # its expert bias is read at each logged step (a buffer a later move may replace)
         if stats:
             for i, module in enumerate(self.padding):
                 self.handles.append(module.register_forward_pre_hook(self._padded(i % n)))
@@ -227,6 +231,11 @@ class RoutingMonitor:
             if self.padding:
                 out["moe_padded_rows"] = sum(r["padded_rows"] for r in rows)
             out["moe_per_layer"] = rows
+        # balance=bias only: no other mode builds the buffer (titan.native_only_buffer names it on both APIs);
+        # the same on every rank, each updates it from the all-reduced counts
+        biases = [b for name, b in self.model.named_buffers() if titan.native_only_buffer(name)]
+        if self.stats and biases:
+            out["moe_expert_bias"] = max(float(_local(b)[0].detach().abs().max()) for b in biases)
         return out
 
     def summary(self) -> dict:

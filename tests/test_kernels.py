@@ -11,6 +11,7 @@ torch_neuronx imports.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from qwen3_research.config import ConfigError, KernelEntry, RunConfig
-from tests.conftest import FAST, ROOT, assert_ok, cli_env, run_cli, train_losses
+from tests.conftest import FAST, ROOT, assert_ok, cli_env, hooks_env, run_cli, train_losses
 
 from qwen3_research import devices
 
@@ -294,9 +295,9 @@ def test_verify_kernels_cli(tmp_path):
         "triton_rope on cuda)"], bad.stderr
 
 
-def _run(tmp_path, name, args, steps=10):
+def _run(tmp_path, name, args, steps=10, env=None):
     fast = [a for a in FAST if not a.startswith("training.steps")] + [f"training.steps={steps}"]
-    proc = run_cli(["model=native_moe", *fast, *args], run_dir=tmp_path / name, timeout=600)
+    proc = run_cli(["model=native_moe", *fast, *args], run_dir=tmp_path / name, timeout=600, env=env)
     assert_ok(proc)
     return proc, train_losses(tmp_path / name)
 
@@ -332,10 +333,22 @@ def test_ten_steps_rope_kernel_reproduces_torchtitan_dense(tmp_path):
 ], ids=["tp2"])
 @pytest.mark.feature("tensor parallel without sequence parallel")
 def test_kernels_multi_process(tmp_path, layout):
+    """tp2 without sequence parallelism (parallelism.sequence_parallel defaults to false): the layout says tp=2 (not
+    tp=2+sp) and each rank's transformer blocks get the whole sequence (2×32 tokens; with SP they would get 2×16),
+    read in the workers by the test hook QWEN3_TEST_BLOCK_INPUT (tests/hooks). Same losses alone cannot tell SP
+    from none."""
     proc, fast = _run(tmp_path, "fast", ["kernels=fast", "kernels.force=true", *layout], steps=4)
     assert "kernel plan (kernels=fast): 8 module(s) overridden" in proc.stdout  # installed in the workers
-    proc, ref = _run(tmp_path, "ref", ["kernels=reference", *layout], steps=4)
+    probe = tmp_path / "block_input"
+    probe.mkdir()
+    proc, ref = _run(tmp_path, "ref", ["kernels=reference", *layout], steps=4,
+                     env=cli_env(**hooks_env(QWEN3_TEST_BLOCK_INPUT=str(probe))))
     assert "kernel plan (kernels=reference): 8 module(s) overridden" in proc.stdout
+    seen = {p.stem: json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))}
+    print(f"block input per rank: {seen}")
+    assert "dp_shard=1 tp=2 " in proc.stdout and "tp=2+sp" not in proc.stdout
+    assert sorted(seen) == ["rank0", "rank1"] and all(s["local_shape"][:2] == [2, 32] and s["placements"] == ["R"]
+                                                     for s in seen.values()), seen
     diff = max(abs(a - b) for a, b in zip(fast, ref))
     print(f"{layout}: max |loss(fast) - loss(fp32 reference)| = {diff:.3e}")
     assert len(fast) == 4 and diff < 1e-4

@@ -272,8 +272,15 @@ def test_fsdp_tp_four_ranks_from_one_command(dense_single, tmp_path):
 @pytest.mark.feature("MoE balance: expert bias")
 @pytest.mark.slow
 def test_moe_dp2_ep2_parity(moe_single, tmp_path):
+    """Parity with one process, and the expert bias (model.moe.balance auto = bias, coefficient 1e-3) moves in both:
+    after step s its largest |value| is in (0, 2e-3·s] (each step adds ±1e-3 per expert, then centres), the same in
+    both runs. Parity alone cannot see a bias that never moves: both runs would route alike without it."""
     _run_ok(["model=native_moe", "parallelism=ep2", "data.batch_size=2", *BASE], run_dir=tmp_path / "run")
     _check_parity("moe dp2 x ep2", moe_single, tmp_path / "run", MOE_TOL)
+    single, ep2 = ([r.get("moe_expert_bias") for r in read_metrics(d) if "loss" in r] for d in (moe_single, tmp_path / "run"))
+    print(f"  largest |expert bias| per step: single {single}; ep2 {ep2}")
+    assert len(ep2) == STEPS and all(b is not None and 0 < b <= 2e-3 * s for s, b in enumerate(ep2, 1)), ep2
+    assert max(abs(a - b) for a, b in zip(single, ep2)) <= 1e-6
 
 
 @pytest.mark.slow

@@ -230,6 +230,7 @@ def test_moe_run_logs_routing_to_metrics_console_and_wandb(tmp_path):
         assert {"moe_max_load", "moe_cv", "moe_empty_frac", "moe_entropy", "aux_loss"} <= set(r)
         assert len(r["moe_per_layer"]) == 4 and all(sum(x["tokens"]) == 2 * 32 * 2 for x in r["moe_per_layer"])
         assert 1 <= r["moe_max_load"] <= 8 and 1.9 < r["aux_loss"] < 8  # top-2 of 8: 2 balanced, 8 collapsed
+        assert "moe_expert_bias" not in r  # aux_loss builds no expert bias
     assert "moe_max_load=" in proc.stdout and "aux_loss=" in proc.stdout
     assert "moe_balance=aux_loss coef=0.001 (model.moe.balance)" in proc.stdout
     history = [r["history"]["item"] for r in wandb_records(run_dir) if r["type"] == "history"]

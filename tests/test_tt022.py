@@ -149,15 +149,39 @@ def test_moe_load_balancing_hook_moves_expert_bias():
 @pytest.mark.feature("activation checkpointing")
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_the_losses(mode, tmp_path):
-    """torchtitan's AC wrapper through the adapter (single process): the same 2 losses as without AC."""
+    """torchtitan's AC wrapper through the adapter (single process): the same 2 losses as without AC, and AC is
+    really on: each of tiny's 4 blocks sits in torch's CheckpointWrapper and its forward runs again in the backward
+    (2 steps × 4 blocks = 8 block forwards without AC, 16 with; selective is 0.3.x's per-op policy, which also
+    recomputes the whole block and keeps only the listed ops' outputs). Same losses alone cannot tell AC from none."""
+    from collections import Counter
+
     from tests.test_hf import run_in_process
 
+    def counted(overrides, run_dir) -> Counter:
+        calls = Counter()
+
+        def hook(module, _args, _out):
+            if torch.is_grad_enabled():  # training forwards and the backward's recompute, not evaluation
+                name = type(module).__name__  # Qwen3TransformerBlock on 0.3.x, TransformerBlock on 0.2.x
+                calls["TransformerBlock" if name.endswith("TransformerBlock") else name] += 1
+
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            run_in_process(overrides, run_dir)
+        finally:
+            handle.remove()
+        return calls
+
     base = [o for o in FAST if not o.startswith("training.steps")] + ["training.steps=2"]
-    run_in_process(base, tmp_path / "plain")
-    run_in_process([*base, f"parallelism.activation_checkpoint={mode}"], tmp_path / "ac")
+    plain_calls = counted(base, tmp_path / "plain")
+    ac_calls = counted([*base, f"parallelism.activation_checkpoint={mode}"], tmp_path / "ac")
     plain, ac = train_losses(tmp_path / "plain"), train_losses(tmp_path / "ac")
-    print(f"\n[torchtitan {titan.version()}] AC={mode}: {ac} vs none: {plain}")
+    print(f"\n[torchtitan {titan.version()}] AC={mode}: {ac} vs none: {plain}; block forwards "
+          f"{ac_calls['TransformerBlock']} vs {plain_calls['TransformerBlock']}, "
+          f"CheckpointWrapper forwards {ac_calls['CheckpointWrapper']} vs {plain_calls['CheckpointWrapper']}")
     assert len(ac) == 2 and max(abs(a - b) for a, b in zip(ac, plain)) < 1e-5
+    assert (plain_calls["TransformerBlock"], plain_calls["CheckpointWrapper"]) == (8, 0)
+    assert (ac_calls["TransformerBlock"], ac_calls["CheckpointWrapper"]) == (16, 8), "AC applied to no block"
 
 
 # -- multi-step runs on 0.2.x (the main suite makes them on 0.3.x) ------------------------------
@@ -540,6 +564,12 @@ def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_si
         assert ("aux_loss" in rows[0]) == (name == "fsdp")
         if name == "ep2":
             assert "moe_balance=bias" in proc.stdout
+            # the bias moves (±1e-3 per expert per step, centred): after step s its largest |value| is in (0, 2e-3·s]
+            bias = [r["moe_expert_bias"] for r in rows]
+            print(f"  largest |expert bias| per step: {bias}")
+            assert all(0 < b <= 2e-3 * s for s, b in enumerate(bias, 1)), bias
+        else:  # none and aux_loss build no expert bias
+            assert not any("moe_expert_bias" in r for r in rows)
     killed = run_cli([*base, *ep], run_dir=tmp_path / "resumed", timeout=600,
                      env=cli_env(**fault_env("kill@3")))
     assert killed.returncode != 0
@@ -548,6 +578,8 @@ def test_moe_trains_single_fsdp_and_ep_in_each_balance_mode_and_resumes_after_si
     ref, got = train_losses(tmp_path / "ep2"), train_losses(tmp_path / "resumed")
     print(f"EP×2 steps 3-4 straight {ref[2:]}\n              resumed  {got[-2:]}")
     assert got[-2:] == ref[2:]
+    bias = [[r["moe_expert_bias"] for r in read_metrics(tmp_path / d) if "loss" in r][-2:] for d in ("ep2", "resumed")]
+    assert bias[0] == bias[1], bias  # the resumed run's expert bias is the straight run's
 
 
 # torchtitan 0.2.2 source each seam of titan/v02_seams.py mirrors or wraps (v02_seams.MIRRORED): sha256[:16] of

@@ -16,6 +16,10 @@ Each is asked for by an environment variable, in a CLI run through ``sitecustomi
   targets are then resolved on a meta-device model at resolution (``resolve_run`` as for a process that does not
   build the model next), so their checks run too. Used by tests/test_docs_commands.py to prove every documented
   Trainium command passes the project's own start-up validation on a simulated trn2 host.
+- ``QWEN3_TEST_BLOCK_INPUT=DIR``: each rank writes ``DIR/rank<R>.json`` with the local shape (and, for a DTensor,
+  the placements) of the first training forward's input to a transformer block: what tensor parallelism hands
+  the blocks, sequence-sharded with sequence parallelism (seq_len / tp per rank), whole without it. Read by
+  tests/test_kernels.py (TP without SP).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 FAULT_ENV = "QWEN3_TEST_FAULT"
 FAULT = re.compile(r"^(raise|nan|kill|term|oom)@[1-9][0-9]*(:rank[0-9]+)?$")
 VALIDATE_ONLY_ENV = "QWEN3_VALIDATE_ONLY"
+BLOCK_INPUT_ENV = "QWEN3_TEST_BLOCK_INPUT"
 VALIDATE_ONLY_LINE = (f"{VALIDATE_ONLY_ENV}=1 (test hook): start-up validation passed; stopping before the device "
                       "is used")
 
@@ -49,6 +54,10 @@ def install_from_environment() -> None:
     if spec:
         check_fault(spec)
         patches["qwen3_research.step"] = functools.partial(_install_fault, spec=spec)
+    probe_dir = os.environ.get(BLOCK_INPUT_ENV)
+    if probe_dir:
+        patches["qwen3_research.step"] = _chain(patches.get("qwen3_research.step"),
+                                                functools.partial(_install_block_input_probe, out_dir=probe_dir))
     if os.environ.get(VALIDATE_ONLY_ENV) == "1":
         patches["qwen3_research.resolve"] = _validate_only_resolution
         patches["qwen3_research.launch.elastic"] = _validate_only_launch
@@ -59,6 +68,35 @@ def install_from_environment() -> None:
 def _install_fault(step_module, spec: str) -> None:
     for name, method in fault_methods(step_module.Step, spec).items():
         setattr(step_module.Step, name, method)
+
+
+def _chain(first, second):
+    if first is None:
+        return second
+    return lambda module: (first(module), second(module))
+
+
+# -- QWEN3_TEST_BLOCK_INPUT ------------------------------------------------------------------------------------
+def _install_block_input_probe(_step_module, out_dir: str) -> None:
+    """A global forward pre-hook (any model, any backend) that records the first training block input, then goes."""
+    import json  # deferred: this module is imported at every interpreter's start-up
+
+    import torch  # deferred: as above
+
+    def probe(module, args):
+        if not (args and type(module).__name__.endswith("TransformerBlock") and module.training
+                and torch.is_grad_enabled()):
+            return None
+        x = args[0]
+        placements = [str(p) for p in x.placements] if hasattr(x, "placements") else None
+        local = x.to_local() if hasattr(x, "to_local") else x
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"block": type(module).__name__, "local_shape": list(local.shape), "placements": placements}, f)
+        handle.remove()
+        return None
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(probe)
 
 
 class _AfterImport:
