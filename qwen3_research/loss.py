@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
 from qwen3_research import devices
@@ -61,8 +62,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
         weight_nn = weight  # the right operand of the hidden-state gradient's GEMM, (V_local, D)
         kind = hidden.device.type
+        # not in a plan's trace (fake tensors): a plan for another device kind traces on this host's CPU type
         if need_grad and (weight.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(kind)) \
-                and devices.slow_16bit_nn_gemm(kind):
+                and not isinstance(hidden, FakeTensor) and devices.slow_16bit_nn_gemm(kind):
             # one column-major copy per step (the weight's size) for a GEMM that is otherwise ~25x slower: tiny's bf16
             # chunked loss took 8.3x less CPU time (RESULTS.md row 23); the 16-bit cast keeps the layout
             weight_nn = weight.t().contiguous().t()
@@ -151,14 +153,14 @@ def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: i
     return chunked_cross_entropy(hidden, backend.lm_head_weight(), labels, chunk_tokens)
 
 
-def column_major_lm_head(lm_head: torch.nn.Module, torch_type: str, compute_dtype: torch.dtype) -> bool:
+def column_major_lm_head(lm_head: torch.nn.Module, device_kind: str, compute_dtype: torch.dtype) -> bool:
     """The full loss's lm_head multiplies by a column-major copy of its weight where a 16-bit GEMM with a row-major
     (V x D) right operand is slow (``devices.slow_16bit_nn_gemm``: ATen's own bf16 GEMM on a CPU without AVX-512).
     The backward's input gradient is ``grad @ weight``, a reduction over the ~152k vocabulary rows: 5.1 s for 64
     tokens against 0.19 s with the copy (RESULTS.md row 23). The copy is differentiable (the gradient reaches the
     weight, tied or not) and made at each call from the weight as FSDP2 gathered it; a vocabulary-parallel DTensor
     weight (tensor parallel) is left to torch. True when the forward was replaced."""
-    if compute_dtype not in (torch.bfloat16, torch.float16) or not devices.slow_16bit_nn_gemm(torch_type):
+    if compute_dtype not in (torch.bfloat16, torch.float16) or not devices.slow_16bit_nn_gemm(device_kind):
         return False
 
     def forward(x: torch.Tensor) -> torch.Tensor:

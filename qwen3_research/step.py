@@ -367,7 +367,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     if pipeline is None or pipeline.has_last:  # the lm_head (pipelined: the last stage's part holds it)
         head = backend.lm_head_module() if pipeline is None else \
             backend.model.stage_parts[pipeline.stages.index(max(pipeline.stages))].lm_head
-        column_major_lm_head(head, where.device.torch_device.type, compute_dtype(run))
+        column_major_lm_head(head, where.device.type, compute_dtype(run))  # the run's kind (a plan's, too)
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))

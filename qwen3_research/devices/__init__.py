@@ -73,10 +73,10 @@ def device_kind(requested: str = AUTO, argv: list[str] | None = None) -> str:
     return next(k for k in kinds() if get(k).present())
 
 
-def slow_16bit_nn_gemm(torch_type: str) -> bool:
-    """A 16-bit GEMM on this torch device type is slow with a row-major, long-reduction right operand
-    (``DeviceSpec.slow_16bit_nn_gemm``; False for a type no kind registers)."""
-    spec = find(torch_type)
+def slow_16bit_nn_gemm(kind: str) -> bool:
+    """A 16-bit GEMM on this device kind (or torch device type) is slow with a row-major, long-reduction right
+    operand (``DeviceSpec.slow_16bit_nn_gemm``; False for a name no kind registers)."""
+    spec = find(kind)
     return spec is not None and spec.slow_16bit_nn_gemm()
 
 
