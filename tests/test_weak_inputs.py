@@ -62,6 +62,21 @@ def test_an_unknown_compile_backend_is_one_config_error():
     assert decide(to_run_config(compose(["compile.enable=true", "compile.backend=eager"])), "cpu", is_moe=False).enable
 
 
+def test_a_missing_local_model_path_says_so():
+    """Issue 40: a missing absolute model.path was reported with the Hub client's "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'" (the path is no repo id)."""
+    import torch
+
+    from qwen3_research.models.hf.model import HFCausalLM
+
+    cfg = to_run_config(compose(["model=hf", "model.path=/nonexistent/qwen3"])).model
+    with pytest.raises(ConfigError) as e:
+        HFCausalLM(cfg, torch.device("cpu"), seq_len=32, seed=0)
+    print(f"config error: {e.value}")
+    assert str(e.value) == ("model.path='/nonexistent/qwen3': no such directory (a local path; a Hub id is "
+                            "namespace/name): give the directory that holds config.json and the weights")
+
+
 # -- the tools' arguments -------------------------------------------------------------------------------------------
 
 
