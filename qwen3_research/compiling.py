@@ -90,12 +90,13 @@ def decide(rc, device_type: str, *, is_moe: bool, probe: bool = True, tp_blocker
         enable, reason = spec.compile_default(is_moe, rc.training.mixed_precision, rc.kernels.entries)
     else:
         enable, reason = False, f"auto: {device_type} compiled has not been measured"
-    if enable and probe and c.backend and c.backend != spec.compile_backend:
+    asked = c.backend  # torch.compile's backend (a model backend's name is models/' business)
+    if enable and probe and asked and asked != spec.compile_backend:
         # issue 40: a backend torch does not know failed at step 1 with a dynamo traceback. The device's own backend
         # is not checked (neuron's registers when torch_neuronx loads, in the worker).
         import torch._dynamo  # deferred: only a named backend loads dynamo at resolution
 
-        if c.backend not in torch._dynamo.list_backends(exclude_tags=()):  # debug and experimental ones count
+        if asked not in torch._dynamo.list_backends(exclude_tags=()):  # debug and experimental ones count
             raise ConfigError(f"compile.backend={c.backend!r} is not a torch.compile backend here (torch's: "
                               f"{', '.join(sorted(torch._dynamo.list_backends()))}): name one of them, or drop "
                               f"compile.backend ({device_type}: {spec.compile_backend})")

@@ -25,10 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Shard
 
-from qwen3_research import devices
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 
@@ -48,7 +46,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, group, vocab_start: int, need_grad: bool):
+    def forward(ctx, hidden, weight, labels, chunk: int, group, vocab_start: int, need_grad: bool, column_major: bool):
         n, v_local = hidden.shape[0], weight.shape[0]
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < v_local)
@@ -61,10 +59,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
         weight_nn = weight  # the right operand of the hidden-state gradient's GEMM, (V_local, D)
-        kind = hidden.device.type
-        # not in a plan's trace (fake tensors): a plan for another device kind traces on this host's CPU type
-        if need_grad and (weight.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(kind)) \
-                and not isinstance(hidden, FakeTensor) and devices.slow_16bit_nn_gemm(kind):
+        if need_grad and column_major:  # a 16-bit run (its weight, or autocast's GEMM) on a device that asks for it
             # one column-major copy per step (the weight's size) for a GEMM that is otherwise ~25x slower: tiny's bf16
             # chunked loss took 8.3x less CPU time (RESULTS.md row 23); the 16-bit cast keeps the layout
             weight_nn = weight.t().contiguous().t()
@@ -108,7 +103,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (grad_hidden * grad_loss.to(grad_hidden.dtype), (grad_weight * grad_loss.float()).to(ctx.weight_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _vocab_sharding(weight) -> tuple[torch.Tensor, object, int]:
@@ -128,12 +123,14 @@ def _vocab_sharding(weight) -> tuple[torch.Tensor, object, int]:
     return weight.to_local(), group, start
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                          column_major: bool = False) -> torch.Tensor:
     """Mean token cross-entropy of ``hidden @ weight.T`` against ``labels`` without the full logits.
 
     hidden (B, L, D) (a DTensor under tensor parallel: made whole; it is small), weight the lm_head
     weight (V, D) as the module holds it during the step (a plain tensor, or a DTensor sharded on
-    the vocabulary over tp), labels (B, L).
+    the vocabulary over tp), labels (B, L). ``column_major``: the hidden-state gradient's 16-bit GEMM takes a
+    column-major copy of the weight (``PrecisionPlan.lm_head_column_major``, decided at resolution).
     """
     if hasattr(hidden, "full_tensor"):
         hidden = hidden.full_tensor()
@@ -142,25 +139,29 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         w_local = w_local.to(hidden.dtype)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or w_local.requires_grad)  # not under eval's no_grad
     return _ChunkedLinearCrossEntropy.apply(
-        hidden.flatten(0, 1), w_local, labels.flatten(), max(1, int(chunk_tokens)), group, start, need_grad
-    )
+        hidden.flatten(0, 1), w_local, labels.flatten(), max(1, int(chunk_tokens)), group, start, need_grad,
+        column_major)
 
 
-def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, positions=None) -> torch.Tensor:
+def lm_loss(backend, inputs: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, positions=None,
+            column_major: bool = False) -> torch.Tensor:
     """The chunked loss of a model backend (``hidden_states`` + ``lm_head_weight``); call under the step's autocast.
-    ``positions``: per-document positions (data.document_masking), passed on to the backend."""
+    ``positions``: per-document positions (data.document_masking), passed on to the backend; ``column_major``: as
+    ``chunked_cross_entropy``'s."""
     hidden = backend.hidden_states(inputs) if positions is None else backend.hidden_states(inputs, positions=positions)
-    return chunked_cross_entropy(hidden, backend.lm_head_weight(), labels, chunk_tokens)
+    return chunked_cross_entropy(hidden, backend.lm_head_weight(), labels, chunk_tokens, column_major)
 
 
-def column_major_lm_head(lm_head: torch.nn.Module, device_kind: str, compute_dtype: torch.dtype) -> bool:
+def column_major_lm_head(lm_head: torch.nn.Module | None, enable: bool) -> bool:
     """The full loss's lm_head multiplies by a column-major copy of its weight where a 16-bit GEMM with a row-major
-    (V x D) right operand is slow (``devices.slow_16bit_nn_gemm``: ATen's own bf16 GEMM on a CPU without AVX-512).
+    (V x D) right operand is slow (``enable``: ``PrecisionPlan.lm_head_column_major``, the device spec's
+    ``slow_16bit_nn_gemm`` in a 16-bit run: ATen's own bf16 GEMM on a CPU without AVX-512).
     The backward's input gradient is ``grad @ weight``, a reduction over the ~152k vocabulary rows: 5.1 s for 64
     tokens against 0.19 s with the copy (RESULTS.md row 23). The copy is differentiable (the gradient reaches the
     weight, tied or not) and made at each call from the weight as FSDP2 gathered it; a vocabulary-parallel DTensor
-    weight (tensor parallel) is left to torch. True when the forward was replaced."""
-    if compute_dtype not in (torch.bfloat16, torch.float16) or not devices.slow_16bit_nn_gemm(device_kind):
+    weight (tensor parallel) is left to torch. ``lm_head`` None: a backend without one (nothing to do). True when the
+    forward was replaced."""
+    if not enable or lm_head is None:
         return False
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ class Pipeline:
     group: object = None  # the pipeline ranks' process group
     chunk_tokens: int | None = None  # training.loss=chunked: tokens per chunk; None: the full loss
     lm_head: Callable | None = None  # the last stage's lm_head weight (the chunked loss)
+    column_major: bool = False  # the chunked loss's weight copy (resolve.PrecisionPlan.lm_head_column_major)
     microbatches: int = 1  # per schedule step (parallelism.pp_microbatches)
     n_step: int = 1  # label tokens of the whole step (every micro-batch and data-parallel rank)
     scale: float = 1.0  # dp × loss_scale (Step.forward_backward)
@@ -39,7 +40,7 @@ class Pipeline:
         """One micro-batch's share of the step's token-mean loss (as ``Step.forward_backward`` weighs it)."""
         n = int((labels != IGNORE_INDEX).sum())
         if self.chunk_tokens is not None:  # output: the final norm's hidden states (the lm_head skipped)
-            mean = chunked_cross_entropy(output, self.lm_head(), labels, self.chunk_tokens)
+            mean = chunked_cross_entropy(output, self.lm_head(), labels, self.chunk_tokens, self.column_major)
             total = mean * n if n else mean.nan_to_num(0.0) * 0.0
         else:
             logits = output.full_tensor() if hasattr(output, "full_tensor") else output

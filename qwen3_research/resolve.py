@@ -85,6 +85,10 @@ class PrecisionPlan:
     master_dtype: str  # the parameters the optimizer updates
     autocast: bool  # the step runs under autocast to bfloat16
     reason: str  # why this mode (the setting, and the layout)
+    # The lm_head's 16-bit GEMMs multiply by a column-major copy of its weight: the run's device says a 16-bit GEMM
+    # with a row-major (V x D) right operand is slow there (DeviceSpec.slow_16bit_nn_gemm: ATen's bf16 GEMM on a CPU
+    # without AVX-512, RESULTS.md row 23). Both losses read it (loss.chunked_cross_entropy, loss.column_major_lm_head).
+    lm_head_column_major: bool = False
 
     @property
     def setting(self) -> str:
@@ -121,17 +125,22 @@ class PrecisionPlan:
                                f"{'; '.join(problems)}")
 
 
-def precision_plan(mixed_precision: str, degrees, *, torchtitan: bool) -> PrecisionPlan:
-    """``training.mixed_precision`` (resolved: bf16 or none) in the run's layout -> its ``PrecisionPlan``."""
+def precision_plan(mixed_precision: str, degrees, *, torchtitan: bool, device_kind: str | None = None) -> PrecisionPlan:
+    """``training.mixed_precision`` (resolved: bf16 or none) in the run's layout -> its ``PrecisionPlan``.
+    ``device_kind``: the device the run uses (a plan: the one it is planned for), whose spec says whether the lm_head
+    takes a column-major weight copy in 16 bits (None: it does not)."""
     if mixed_precision != "bf16":
         return PrecisionPlan("float32", "float32", "float32", "float32", autocast=False,
                              reason=f"training.mixed_precision={mixed_precision}")
+    column_major = device_kind is not None and devices.slow_16bit_nn_gemm(device_kind)
     if has_fsdp_units(degrees, torchtitan=torchtitan):
         return PrecisionPlan("fsdp2_bf16_params", "bfloat16", "float32", "float32", autocast=False,
-                             reason=f"training.mixed_precision=bf16 with FSDP2 units ({degrees.describe()})")
+                             reason=f"training.mixed_precision=bf16 with FSDP2 units ({degrees.describe()})",
+                             lm_head_column_major=column_major)
     where = "one process" if not degrees.sharded else f"{degrees.describe()}: no FSDP2 units"
     return PrecisionPlan("autocast_bf16", "float32", "float32", "float32", autocast=True,
-                         reason=f"training.mixed_precision=bf16 on {where}: autocast over float32 parameters")
+                         reason=f"training.mixed_precision=bf16 on {where}: autocast over float32 parameters",
+                         lm_head_column_major=column_major)
 
 
 @dataclass
@@ -269,7 +278,7 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     if not elsewhere:
         models.check_run(rc)  # the backend's run checks (native: what the installed torchtitan cannot run)
 
-    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan)
+    precision = precision_plan(rc.training.mixed_precision, degrees, torchtitan=spec.torchtitan, device_kind=kind)
     support, targets, caught = (), {}, ()
     if kernels and rc.kernels.entries:
         if not elsewhere:  # the packages a kernel imports are the planned host's business

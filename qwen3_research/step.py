@@ -182,7 +182,8 @@ class Step:
         device = self.where.device
         if self.cfg.training.loss == "chunked":  # lm_head + loss a chunk of tokens at a time (qwen3_research.loss)
             with device.autocast(self.autocast):
-                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens, positions)
+                return lm_loss(self.backend, inputs, labels, self.cfg.training.loss_chunk_tokens, positions,
+                               self.run.precision.lm_head_column_major)
         with device.autocast(self.autocast):
             logits = self.backend.forward(inputs) if positions is None else self.backend.forward(inputs, positions=positions)
         if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel without loss parallel)
@@ -344,7 +345,8 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     loss_scale, pipeline = 1.0, None
     if degrees.pipelined:  # torchtitan's pipeline_llm: this rank's stages, each sharded as below, and the schedule
         pipeline = Pipeline(group=where.parallel_dims.get_mesh("pp").get_group(), microbatches=degrees.pp_microbatches,
-                            chunk_tokens=cfg.training.loss_chunk_tokens if cfg.training.loss == "chunked" else None)
+                            chunk_tokens=cfg.training.loss_chunk_tokens if cfg.training.loss == "chunked" else None,
+                            column_major=run.precision.lm_head_column_major)
         pipeline.schedule, pipeline.stages, pipeline.has_first, pipeline.has_last = backend.pipeline(
             where.parallel_dims, tt, loss_fn=pipeline.loss, local_batch_size=cfg.data.batch_size,
             microbatches=degrees.pp_microbatches)
@@ -367,7 +369,7 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     if pipeline is None or pipeline.has_last:  # the lm_head (pipelined: the last stage's part holds it)
         head = backend.lm_head_module() if pipeline is None else \
             backend.model.stage_parts[pipeline.stages.index(max(pipeline.stages))].lm_head
-        column_major_lm_head(head, where.device.type, compute_dtype(run))  # the run's kind (a plan's, too)
+        column_major_lm_head(head, run.precision.lm_head_column_major)  # decided at resolution (the run's kind)
     routing = RoutingMonitor.attach(backend, cfg.model.moe, where.device.torch_device)
     # The precision plan decided at resolution (run.precision); the built model must carry it out
     run.precision.check(parallel.fsdp_precision(backend.model), str(next(iter(backend.model.parameters())).dtype).removeprefix("torch."))

@@ -75,7 +75,7 @@ def test_in_tree_specs_declare_what_callers_asked_by_name():
              for n, s in specs.items()}
     print(f"\n{facts}")
     assert facts == {"hf": (True, False, False, False, (), 0),
-                     "native": (False, True, True, False, ("qwen3", "qwen3_moe"), 13)}
+                     "native": (False, True, True, False, ("qwen3", "qwen3_moe"), 14)}  # tiny_untied: pp
     assert registry.get("native_moe") is specs["native"]
     assert registry.canonical(ModelConfig(backend="native_moe", flavor="tiny")) == ModelConfig(backend="native",
                                                                                                flavor="tiny_moe")

@@ -138,25 +138,34 @@ def test_loss_options_are_validated():
 
 
 def test_the_lm_head_takes_a_column_major_copy_where_the_device_says_16bit_gemm_is_slow(monkeypatch):
-    """loss.column_major_lm_head (benchmarks/bench_bf16_lm_head.py, RESULTS.md row 23): where
-    devices.slow_16bit_nn_gemm (ATen's own bf16 GEMM on a CPU without AVX-512) and the step computes in 16 bits, the
-    lm_head multiplies by a column-major copy of its weight: the same logits, the same gradients to the (tied)
-    weight and the input, the copy made from the weight as it is at each call; fp32, or a device without the slow
-    GEMM, keeps nn.Linear's forward. Expected: replaced only then, logits equal, gradients within bf16 rounding."""
+    """The resolution decides it once (``PrecisionPlan.lm_head_column_major``: a 16-bit run on a device whose spec
+    says ``slow_16bit_nn_gemm``, ATen's own bf16 GEMM on a CPU without AVX-512; benchmarks/bench_bf16_lm_head.py,
+    RESULTS.md row 23) and both losses read it: ``column_major_lm_head`` makes the lm_head multiply by a column-major
+    copy of its weight -- the same logits, the same gradients to the (tied) weight and the input, the copy made from
+    the weight as it is at each call. Expected: the plan says yes only for bf16 on such a device (a plan for neuron
+    made on this CPU says no), the forward is replaced only when told, logits equal, gradients within bf16 rounding,
+    and the chunked loss with the flag gives the same loss and gradients as without."""
     import torch
 
     from qwen3_research import loss
+    from qwen3_research.parallel import Degrees
+    from qwen3_research.resolve import precision_plan
+
+    one = Degrees(1, 1, 1, 1, 1, False)
+    monkeypatch.setattr("qwen3_research.devices.cpu.cpu_isa", lambda: "avx2")
+    assert precision_plan("bf16", one, torchtitan=True, device_kind="cpu").lm_head_column_major
+    assert not precision_plan("none", one, torchtitan=True, device_kind="cpu").lm_head_column_major
+    assert not precision_plan("bf16", one, torchtitan=True, device_kind="neuron").lm_head_column_major
+    monkeypatch.setattr("qwen3_research.devices.cpu.cpu_isa", lambda: "avx512_bf16")
+    assert not precision_plan("bf16", one, torchtitan=True, device_kind="cpu").lm_head_column_major
 
     torch.manual_seed(0)
     x = torch.randn(2, 8, 32)
     ref, head = torch.nn.Linear(32, 1000, bias=False), torch.nn.Linear(32, 1000, bias=False)
     head.weight = ref.weight  # one Parameter, as a tied embedding's
-    monkeypatch.setattr(loss.devices, "slow_16bit_nn_gemm", lambda torch_type: False)
-    assert not loss.column_major_lm_head(head, "cpu", torch.bfloat16)
-    monkeypatch.setattr(loss.devices, "slow_16bit_nn_gemm", lambda torch_type: True)
-    assert not loss.column_major_lm_head(head, "cpu", torch.float32)
+    assert not loss.column_major_lm_head(head, False) and not loss.column_major_lm_head(None, True)
     assert "forward" not in vars(head)
-    assert loss.column_major_lm_head(head, "cpu", torch.bfloat16)
+    assert loss.column_major_lm_head(head, True)
     grads = []
     for mod in (ref, head):
         xi = x.clone().requires_grad_()
@@ -173,3 +182,14 @@ def test_the_lm_head_takes_a_column_major_copy_where_the_device_says_16bit_gemm_
     with torch.no_grad():
         ref.weight.mul_(2)  # the copy follows the weight as it is at the call (FSDP2 gathers it anew each step)
     assert torch.allclose(head(x), ref(x))
+    labels = torch.randint(0, 1000, (2, 8))
+    chunked = []
+    for flag in (False, True):
+        xi = x.clone().requires_grad_()
+        ref.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = loss.chunked_cross_entropy(xi.to(torch.bfloat16), ref.weight, labels, 4, column_major=flag)
+        value.backward()
+        chunked.append((value.detach(), xi.grad, ref.weight.grad.clone()))
+    (l1, h1, w1), (l2, h2, w2) = chunked
+    assert torch.equal(l1, l2) and torch.allclose(h1, h2, rtol=2e-2, atol=1e-6) and torch.equal(w1, w2)

@@ -40,9 +40,10 @@ class ModelBackend:
     def parallelize(self, parallel_dims, tt) -> None:
         raise NotImplementedError
 
-    def lm_head_module(self) -> torch.nn.Module:
-        """The output projection (an ``nn.Linear`` over the vocabulary)."""
-        raise NotImplementedError
+    def lm_head_module(self) -> torch.nn.Module | None:
+        """The output projection (an ``nn.Linear`` over the vocabulary); None: a backend that does not expose one
+        (the full loss then takes no column-major weight copy, ``loss.column_major_lm_head``)."""
+        return None
 
     def finalize_single(self, tt) -> None:
         """Single-process path (no sharding): activation checkpointing if asked."""
