@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ["model=native", "model.flavor=0.6B", "data.seq_len=2048", "data.batch_size=8", "training.mixed_precision=bf16"]
-MOE = ["model=native_moe", "model.flavor=debug", "data.seq_len=2048", "data.batch_size=4", "training.mixed_precision=bf16"]
+MOE = ["model=native_moe", "model.flavor=debug_moe", "data.seq_len=2048", "data.batch_size=4", "training.mixed_precision=bf16"]
 BIG = ["model=native", "model.flavor=1.7B", "data.seq_len=4096", "data.batch_size=4", "training.mixed_precision=bf16",
        "parallelism.activation_checkpoint=selective"]
 GPU_KERNEL_OPTIONS = ("none", "reference", "moe_fast", "rope_fast", "fast", "triton_rope", "triton_moe")

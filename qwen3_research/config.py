@@ -119,6 +119,10 @@ class ModelConfig:
     are loaded sharded at start-up (models/native/init_from.py, models/native/hf_load.py)."""
     trust_remote_code: bool = field(default=False, metadata=read_by("backend", "takes_path"))
     """hf backend: passed to transformers' from_pretrained to allow a checkpoint's own code (models/hf/model.py)."""
+    require_moe: bool = False
+    """Set by the ``model=native_moe`` preset: the model must be a mixture of experts (its flavor, or
+    model.init_from's config.json); a dense one is refused before any worker starts (resolve.py), where it used to
+    train a dense model under a MoE preset silently. Dense models: ``model=native``."""
     attention: str = "sdpa"
     """Attention kernel: sdpa (CPU-safe, causal) | flex (FlexAttention, CUDA). Read by the model backends and the
     torchtitan adapter (titan/)."""

@@ -243,6 +243,12 @@ def resolve_run(cfg: DictConfig | dict | RunConfig, *, plan: bool = False, kerne
     models.check(rc.model)  # the model backend's own rules (its spec)
     refuse_unread_keys(rc)
     facts = models.describe(rc.model)
+    if rc.model.require_moe and not facts.get("is_moe"):
+        source = (f"model.init_from={rc.model.init_from} (its config.json is dense)" if rc.model.init_from
+                  else f"model.flavor={rc.model.flavor} (a dense flavor)")
+        moe = ", ".join(models.moe_flavors())
+        raise ConfigError(f"model=native_moe with {source}: the preset trains a mixture of experts; use a MoE flavor "
+                          f"({moe}) or a MoE checkpoint, or model=native for a dense model")
 
     kind = planned if elsewhere else devices.device_kind(rc.device.type)
     if rc.model.attention == "flex" and not devices.get(kind).flex_attention:  # before Hydra makes the run dir

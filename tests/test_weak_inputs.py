@@ -62,6 +62,24 @@ def test_an_unknown_compile_backend_is_one_config_error():
     assert decide(to_run_config(compose(["compile.enable=true", "compile.backend=eager"])), "cpu", is_moe=False).enable
 
 
+def test_the_moe_preset_with_a_dense_model_is_refused(tmp_path):
+    """Issue 40: model=native_moe with a dense flavor (or a dense model.init_from) trained a dense model under the MoE
+    preset silently. Expected: one config error naming the flavor (or checkpoint) and the MoE flavors; the preset's
+    own MoE flavors and model=native with a dense flavor resolve."""
+    from qwen3_research.resolve import resolve_run
+    from tests.test_hf import write_hf_checkpoint
+
+    dense = write_hf_checkpoint(tmp_path / "dense", moe=False)
+    for overrides, names in ((["model=native_moe", "model.flavor=tiny"], "model.flavor=tiny (a dense flavor)"),
+                             (["model=native_moe", f"model.init_from={dense}"], f"model.init_from={dense} (its config")):
+        with pytest.raises(ConfigError) as e:
+            resolve_run(compose(overrides), plan=True, kernels=False)
+        print(f"config error: {e.value}")
+        assert str(e.value).startswith(f"model=native_moe with {names}") and "tiny_moe, debug_moe" in str(e.value)
+    assert resolve_run(compose(["model=native_moe"]), plan=True, kernels=False).model["is_moe"]
+    assert not resolve_run(compose(["model=native", "model.flavor=tiny"]), plan=True, kernels=False).model["is_moe"]
+
+
 def test_a_missing_local_model_path_says_so():
     """Issue 40: a missing absolute model.path was reported with the Hub client's "Repo id must be in the form
     'repo_name' or 'namespace/repo_name'" (the path is no repo id)."""

@@ -22,7 +22,7 @@ import os
 
 from qwen3_research.config import ModelConfig, RunConfig
 from qwen3_research.errors import ConfigError
-from qwen3_research.models import registry
+from qwen3_research.models import flavors, registry
 from qwen3_research.models.registry import BackendSpec, canonical, spec
 
 __all__ = ["BackendSpec", "spec", "canonical", "check", "check_run", "check_init_from", "describe", "build",
@@ -37,6 +37,11 @@ def check(cfg: ModelConfig) -> BackendSpec:
 def describe(cfg: ModelConfig) -> dict:
     """n_heads, n_kv_heads, num_experts, is_moe for degree validation (after the backend's checks)."""
     return check(cfg).describe(cfg)
+
+
+def moe_flavors() -> list[str]:
+    """The named MoE architectures of the native backend (a config error's list)."""
+    return list(flavors.MOE)
 
 
 def build(cfg: ModelConfig, device, *, seq_len: int, seed: int, tt_parallelism=None, tokenizer=None,
