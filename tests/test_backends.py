@@ -134,6 +134,8 @@ def test_native_takes_a_moe_flavor_and_nki_moe_is_refused_on_cpu(tmp_path):
     named = [ln for ln in proc.stdout.splitlines() if ln.startswith("model=native/tiny_moe")]
     print(f"\nsteps {len(rows)}, routing keys {moe_keys}; {named[0][:80] if named else ''}")
     assert len(rows) == 2 and {"moe_max_load", "moe_entropy"} <= set(moe_keys) and named
+    # issue 40: CPU autocast's refusal of the router's float32 gate printed on every MoE run (startup.NOISE)
+    assert "cpu autocast" not in (proc.stdout + proc.stderr).lower(), proc.stderr[-2000:]
     refused = run_cli(["model=native", "model.flavor=tiny_moe", "kernels=nki_moe", *FAST, "training.steps=2",
                        "device=cpu"], run_dir=tmp_path / "nki", timeout=300)
     lines = [ln for ln in refused.stderr.splitlines() if ln.strip()]
