@@ -189,10 +189,11 @@ def test_ctrl_c_in_a_tool_is_one_line(tmp_path, tool, args, trigger, stopped):
 @pytest.mark.parametrize("key, saved, now, overrides", [
     ("model.moe.balance", "aux_loss", "none", ["model=native_moe"]),
     ("data.document_masking", True, False, []),
-], ids=["moe-balance", "document-masking"])
+    ("training.mixed_precision", "bf16", "none", []),
+], ids=["moe-balance", "document-masking", "mixed-precision"])
 def test_a_resume_across_a_training_setting_is_refused(tmp_path, monkeypatch, key, saved, now, overrides):
-    """model.moe.balance aux_loss -> none and data.document_masking true -> false resumed silently and rewrote the
-    run's recorded config (no tensor differs, so the model-shape check let them through). The checkpoint's
+    """model.moe.balance aux_loss -> none, data.document_masking true -> false and training.mixed_precision bf16 -> none
+    (issue 40 weak case) resumed silently and rewrote the run's recorded config (no tensor differs, so the model-shape check let them through). The checkpoint's
     meta.json is the composed config with the saved value; ``preflight`` is what the launcher runs first."""
     from omegaconf import OmegaConf
 

@@ -556,11 +556,13 @@ def _same_objective(resume: str, found: Path, saved: dict, rc: RunConfig) -> Non
     """Settings that change what is trained without changing a tensor: a resume under another value went on
     silently and rewrote the run's recorded config (``.hydra/``, W&B, the next ``meta.json``), so the run's record
     no longer said how its first steps were trained. Refused, as another ``model.init_from`` is."""
-    model, data = saved.get("model") or {}, saved.get("data") or {}
+    model, data, training = saved.get("model") or {}, saved.get("data") or {}, saved.get("training") or {}
     for key, was, now, what in (
             ("model.moe.balance", (model.get("moe") or {}).get("balance"), rc.model.moe.balance, "load balancing"),
-            ("data.document_masking", data.get("document_masking"), rc.data.document_masking, "attention")):
-        if was is None or was == now:  # an older checkpoint without the key: nothing to compare
+            ("data.document_masking", data.get("document_masking"), rc.data.document_masking, "attention"),
+            # resolved on both sides (bf16 | none); "auto" in a config recorded before the resolution wrote it back
+            ("training.mixed_precision", training.get("mixed_precision"), rc.training.mixed_precision, "precision")):
+        if was is None or was == now or "auto" in (was, now):  # an older checkpoint without the key: nothing to compare
             continue
         was, now = (str(v).lower() if isinstance(v, bool) else v for v in (was, now))
         raise ConfigError(
