@@ -378,3 +378,33 @@ def test_sweep_points_that_differ_only_in_seed_or_lr_share_one_plan(tmp_path, mo
     assert got[3]["error"].startswith("config error: training.seed must be in [0, ")
     # make_plan gets each point's one resolution (sweep.resolve_point), which its run starts from
     assert [c.config["data"]["seq_len"] for c in traced] == [32, 64] and "predicted_peak_gib" in got[4]
+
+
+def test_a_corrupt_metadata_in_the_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    """Issue 40: a newest checkpoint whose .metadata is garbage stopped checkpoint.resume=auto with a config error,
+    where a missing or truncated shard falls back to the previous checkpoint with a warning (docs/RELIABILITY.md).
+    Expected: auto resumes step 1 with one warning naming step 2 and the fallback; a path to step 2 itself stays an
+    error naming step 1; a .metadata that unpickles to a foreign class is still refused (tampering, not damage)."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from qwen3_research.run import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        path = root / f"step-{step:08d}"
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=str(path))
+        (path / checkpoint.META).write_text(json.dumps({"step": step}))
+    (root / "step-00000002" / ".metadata").write_bytes(b"garbage")
+    assert checkpoint.find_checkpoint("auto", root, warn=True) == root / "step-00000001"
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: ")]
+    print(warned)
+    assert len(warned) == 1 and "skipping step-00000002" in warned[0] and "unreadable" in warned[0] \
+        and f"falling back to {root / 'step-00000001'}" in warned[0]
+    with pytest.raises(ConfigError, match="unreadable.*the next-newest intact checkpoint is .*step-00000001"):
+        checkpoint.find_checkpoint(str(root / "step-00000002"), root)
+    (root / "step-00000002" / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
+    with pytest.raises(ConfigError, match="tampered"):
+        checkpoint.find_checkpoint("auto", root, warn=True)

@@ -64,7 +64,10 @@ def damage(path: Path) -> str | None:
     """None if every data file that ``.metadata`` refers to is there and long enough, else what is wrong."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    check_metadata_pickle(path)
+    try:
+        check_metadata_pickle(path)
+    except UnreadableMetadata as e:  # damage, as a missing shard is (resume=auto falls back past it); tampering raises
+        return str(e).removeprefix(f"checkpoint {path}: ")
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
@@ -183,11 +186,14 @@ def saved_tensor_shapes(path: Path) -> dict[str, tuple]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_metadata_pickle(path)
+    try:
+        check_metadata_pickle(path)
+    except UnreadableMetadata as e:  # damage, as a missing shard is (resume=auto falls back past it); tampering raises
+        return str(e).removeprefix(f"checkpoint {path}: ")
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
-        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
+        raise UnreadableMetadata(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -292,6 +298,10 @@ def _allowed_global(module: str, name: str) -> bool:
     return False
 
 
+class UnreadableMetadata(ConfigError):
+    """A checkpoint's ``.metadata`` that is not a pickle (truncated, garbage, empty): damage, not tampering."""
+
+
 def check_metadata_pickle(path: Path) -> None:
     import io
     import pickle
@@ -310,7 +320,7 @@ def check_metadata_pickle(path: Path) -> None:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or garbage pickle
-        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
+        raise UnreadableMetadata(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
