@@ -358,8 +358,10 @@ class Checkpointer:
             if self.resume_from is not None:  # fail before anything is written, on every rank
                 check_model_matches(self.resume_from, state.model_tensors(), what=f"checkpoint.resume={self.cfg.resume}",
                                     stage_only=state.stage_only)
+                # quiet: the run dir's owner said it before any worker started (resolve.at_run_dir -> check_run_dir);
+                # a rank saying it again printed it twice, in other words (issue 40 weak case)
                 refuse_layout_change(read_meta(self.resume_from).get("data_layout"), data_layout,
-                                     self.resume_from, self.cfg.allow_data_change, quiet=not self.is_main)
+                                     self.resume_from, self.cfg.allow_data_change, quiet=True)
 
     def _log(self, text: str) -> None:
         if self.is_main:
