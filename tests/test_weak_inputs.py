@@ -428,3 +428,17 @@ def test_verify_kernels_on_a_dense_model_and_the_references(capsys):
     print(out.out[-300:])
     assert "kernels=reference: nothing to verify: its entries (moe_reference, rope_reference) have no check" in out.out
     assert "error" not in out.err
+
+
+def test_a_run_dir_name_longer_than_the_file_system_takes_is_one_line(tmp_path):
+    """Issue 40: a 300-character hydra.run.dir component ended in a 28-line "File name too long" traceback. Expected:
+    one config error naming the key, the component's length and the limit; nothing created."""
+    from qwen3_research.run.rundir import check_run_dir
+
+    rc = to_run_config(compose([]))
+    with pytest.raises(ConfigError) as e:
+        check_run_dir(rc, tmp_path / ("a" * 300) / "run")
+    print(f"config error: {e.value}")
+    assert str(e.value).startswith("hydra.run.dir: the component aaaa") and "300 bytes" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+    assert check_run_dir(rc, tmp_path / ("a" * 200)) is None  # long but allowed: a fresh start

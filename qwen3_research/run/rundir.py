@@ -63,12 +63,31 @@ def read_summary(run_dir: Path) -> dict | None:
 # -- the checks -------------------------------------------------------------------------------
 
 
+def _refuse_long_names(run_dir: Path) -> None:
+    """A component longer than its file system takes (NAME_MAX, 255 bytes on ext4/xfs): one line, where ``stat``
+    raised "File name too long" with a 28-line traceback (issue 40 weak case)."""
+    probe, limit = run_dir, 255
+    while probe != probe.parent:
+        try:
+            if probe.exists():
+                limit = os.pathconf(probe, "PC_NAME_MAX")
+                break
+        except (OSError, ValueError):  # ENAMETOOLONG on the long component itself
+            pass
+        probe = probe.parent
+    for part in run_dir.parts:
+        if len(os.fsencode(part)) > limit:
+            raise ConfigError(f"hydra.run.dir: the component {part[:40]}... is {len(os.fsencode(part))} bytes, more "
+                              f"than the file system takes in one name ({limit}); choose a shorter hydra.run.dir")
+
+
 def check_run_dir(rc, run_dir: Path, *, dp: int | None = None, batch_size: int | None = None) -> Path | None:
     """Raise ConfigError (exit 2) or AlreadyComplete (exit 0); writes nothing. Returns the checkpoint a resume
     continues from (None: a fresh start). ``checkpoint.preflight`` (the resume target's model, the ``init_from``
     config) runs here, once: the caller does not run it again (``resolve.at_run_dir``)."""
     log_call("check_run_dir")
     run_dir = Path(run_dir)
+    _refuse_long_names(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"hydra.run.dir={run_dir}: is a file, not a directory; choose another hydra.run.dir")
     holder = lock_holder(run_dir)
