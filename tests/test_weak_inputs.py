@@ -95,6 +95,37 @@ def test_a_missing_local_model_path_says_so():
                             "namespace/name): give the directory that holds config.json and the weights")
 
 
+def test_a_hub_id_without_network_is_one_line_at_once(monkeypatch, tmp_path):
+    """Issue 40: model=hf with a Hub id on a host without network retried for ~30 s and printed 25 lines. Expected: at
+    resolution, one config error naming the id, the host and the fix, in well under a second; with HF_HUB_OFFLINE set
+    the cache alone decides (no refusal here). The host's name resolution is made to fail (as it does on this CI
+    machine), so the test means the same on a host with network."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    from qwen3_research.models import hf
+    from qwen3_research.models.hf import source
+
+    def no_dns(*a, **k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(source.socket, "getaddrinfo", no_dns)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        hf.describe(to_run_config(compose(["model=hf", "model.path=Qwen/Qwen3-0.6B"])).model)
+    took = time.perf_counter() - t0
+    print(f"config error ({took:.2f} s): {e.value}")
+    assert str(e.value).startswith("model.path='Qwen/Qwen3-0.6B' is a Hub id that is not in this host's Hugging Face "
+                                   "cache, and huggingface.co cannot be reached") and "model.path=DIR" in str(e.value)
+    assert took < 5
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hf.describe(to_run_config(compose(["model=hf", "model.path=Qwen/Qwen3-0.6B"])).model)["n_heads"] is None
+
+
 # -- the tools' arguments -------------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from qwen3_research.config import ConfigError, ModelConfig
+from qwen3_research.models.hf.source import check_source
 from qwen3_research.models.registry import BackendSpec
 
 
@@ -26,6 +27,7 @@ def _hf_config(path: str) -> dict:
                 return json.load(fh)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path={path!r}: config.json is unreadable ({e})") from None
+    check_source(path)
     return {}  # a Hub id: resolved when the model is loaded
 
 

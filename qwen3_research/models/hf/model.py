@@ -22,6 +22,7 @@ from qwen3_research.data import tokenizer_path
 from qwen3_research.models import registry
 from qwen3_research.models.base import ModelBackend
 from qwen3_research.models.hf import export as hf_export
+from qwen3_research.models.hf.source import check_source
 
 # Module names of a Qwen3 / Llama-style dense decoder layer that tensor parallel shards.
 _TP_DENSE_TYPES = {"qwen3", "qwen2", "llama", "mistral"}
@@ -53,10 +54,7 @@ class HFCausalLM(ModelBackend):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = os.path.expanduser(cfg.path)
-        if os.path.isabs(path) or cfg.path.startswith((".", "~")) or os.sep * 2 in path:
-            if not os.path.isdir(path):  # issue 40: was "Repo id must be in the form 'repo_name' ..." from the Hub client
-                raise ConfigError(f"model.path={cfg.path!r}: no such directory (a local path; a Hub id is "
-                                  "namespace/name): give the directory that holds config.json and the weights")
+        check_source(cfg.path)
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError …
