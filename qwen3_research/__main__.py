@@ -86,8 +86,22 @@ def check_override_syntax(texts: list[str]) -> None:
                     f"override: {_quoted(prev.head, prev.value + ' ' + o)}") if prev and prev.value is not None else ""
             _die(f"config error: {o!r} is not an override; write key=value (e.g. training.steps=10) or group=option "
                  f"(e.g. model=native_moe); list them with --help{hint}")
-        _die(f"config error: {prefix + key}: Hydra cannot parse the value {value or ''!r} ({why}); quote it: "
-             f"{_quoted(prefix + key, value or '')}")
+        _die(f"config error: {prefix + key}: Hydra cannot parse the value {value or ''!r} ({why}); "
+             f"{_quoting_advice(prefix + key, value or '')}")
+
+
+def _quoting_advice(key: str, value: str) -> str:
+    """How to quote ``value`` so that Hydra parses it. Hydra's grammar takes a non-ASCII character only inside quotes,
+    so a sweep (``a,b``) or a list (``[a,b]``) with one is quoted value by value: quoting the whole (the advice
+    for a path with spaces) turned a sweep of two values into one string (issue 40 weak case)."""
+    parts = value[1:-1].split(",") if value[:1] == "[" and value[-1:] == "]" else value.split(",")
+    if any(ord(c) > 127 for c in value) and not any(q in value for q in "'\"") and (len(parts) > 1 or value[:1] == "["):
+        import shlex  # deferred: only a refused override prints advice
+
+        each = ",".join(json.dumps(p.strip(), ensure_ascii=False) for p in parts)
+        word = f"{key}=[{each}]" if value[:1] == "[" else f"{key}={each}"
+        return f"quote each value (Hydra takes non-ASCII characters only inside quotes): {shlex.quote(word)}"
+    return f"quote it: {_quoted(key, value)}"
 
 
 def _quoted(key: str, value: str) -> str:

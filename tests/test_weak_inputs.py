@@ -473,3 +473,22 @@ def test_a_run_dir_name_longer_than_the_file_system_takes_is_one_line(tmp_path):
     assert str(e.value).startswith("hydra.run.dir: the component aaaa") and "300 bytes" in str(e.value)
     assert list(tmp_path.iterdir()) == []
     assert check_run_dir(rc, tmp_path / ("a" * 200)) is None  # long but allowed: a fresh start
+
+
+def test_a_swept_non_ascii_value_gets_advice_that_keeps_the_sweep():
+    """Issue 40: ``-m data.text=é,ü`` was refused with "quote it: 'data.text="é,ü"'", which makes the two-point sweep
+    one string. Expected: each value quoted; the advised override parses as a sweep of the two values (a list as a
+    list); a single value keeps the whole-value advice."""
+    import shlex
+
+    from qwen3_research import overrides
+    from qwen3_research.__main__ import _quoting_advice
+
+    for value, sweep in (("é,ü", True), ("[é,b]", False)):
+        advice = _quoting_advice("data.text", value)
+        print(advice)
+        word = shlex.split(advice.rsplit(": ", 1)[1])[0]
+        parsed = overrides.parse_one(word)
+        assert advice.startswith("quote each value") and parsed.sweep is sweep
+        assert parsed.value == ('"é","ü"' if sweep else '["é","b"]')
+    assert _quoting_advice("data.text", "é") == "quote it: 'data.text=\"é\"'"
