@@ -34,6 +34,9 @@ QUIET_LOGGERS = (
     # tensor-parallel run (issue 40 weak case). It is the gradient norm's scalar, reduced over the dp and tp mesh
     # dimensions one after the other: two all-reduces of one number.
     "torch.distributed.tensor._redistribute",
+    # "No CUDA runtime is found, using CUDA_HOME='/usr/local'": Inductor's C++ build on a CPU host (torch's CUDA
+    # wheel) asks for CUDA at every compiled run's first step (issue 40 weak case); build errors are ERROR records.
+    "torch.utils.cpp_extension",
 )
 
 

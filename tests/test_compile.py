@@ -123,6 +123,8 @@ def test_sweep_points_share_one_compile_cache_and_a_torch_change_compiles_afresh
     upgraded = tmp_path / "upgraded"
     proc = run_cli([*args, "compile.cache_key_extra=simulated-torch-upgrade"], run_dir=upgraded, timeout=1500)
     assert_ok(proc)
+    # issue 40: a cold compile on CPU printed Inductor's "No CUDA runtime is found, using CUDA_HOME=..."
+    assert "No CUDA runtime is found" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     fresh = _first_step(upgraded)
     print(f"after a simulated torch change: first step {fresh['step_time_s']:.2f} s ({fresh['compile_cache']})")
     assert fresh["compile_cache"] == "cold" and fresh["step_time_s"] > 2 * warm["step_time_s"]
