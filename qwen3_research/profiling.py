@@ -27,6 +27,7 @@ what a rank wrote comes back as paths, which rank 0 logs as W&B artifacts (``Met
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -78,6 +79,8 @@ class Profiler:
         if self.trace or profiler_memory:
             from torch.profiler import ProfilerActivity, profile
 
+            for key, value in self.spec.profiler_log_env.items():  # before Kineto's first start in this process
+                os.environ.setdefault(key, value)
             activities = [getattr(ProfilerActivity, a) for a in self.spec.profiler_activities]
             self.prof = profile(activities=activities, profile_memory=profiler_memory)
             self.prof.start()

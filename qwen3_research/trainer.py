@@ -24,7 +24,7 @@ from qwen3_research.run.export_hf import export_trained, held_out_inputs
 from qwen3_research.run.export_peft import export_lora
 from qwen3_research.metrics import mfu, tokens_per_second
 from qwen3_research.memory import track_step
-from qwen3_research.profiling import Profiler, artifact_groups, is_out_of_memory
+from qwen3_research.profiling import PROFILE_DIR, Profiler, artifact_groups, is_out_of_memory
 from qwen3_research.resolve import ResolvedRun, RunInfo  # noqa: F401  (RunInfo re-exported for callers)
 from qwen3_research.run.checkpoint import Checkpointer
 from qwen3_research.run.sinks import build_sinks
@@ -278,8 +278,13 @@ class Trainer:
         if barrier and self.where.world_size > 1:
             torch.distributed.barrier()
         if self.is_main:
-            for kind, paths in artifact_groups(self.run_dir).items():
+            groups = artifact_groups(self.run_dir)
+            for kind, paths in groups.items():
                 self.sinks.artifact(kind, paths)
+            if groups:  # issue 40: the files were written without a word (at the window's end, or a failure's)
+                what = ", ".join(f"{len(paths)} {kind.replace('_', ' ')} file{'s' * (len(paths) > 1)}"
+                                 for kind, paths in groups.items())
+                print(f"profiling: {what} in {self.run_dir / PROFILE_DIR}", flush=True)
 
     def export_hf(self) -> dict | None:
         """The trained model -> ``<run dir>/hf``, verified (collective); a LoRA run also its PEFT adapter in

@@ -53,6 +53,10 @@ def test_profiled_two_rank_run_writes_a_trace_per_rank_and_w_and_b_artifacts(tmp
         assert peak > PARAM_BYTES / 2  # FSDP gathers every layer's parameters, and this rank's gradient shard
     assert _artifacts(run) == {"profile": ["trace_rank0.json", "trace_rank1.json"],
                                "memory_snapshot": ["memory_timeline_rank0.json", "memory_timeline_rank1.json"]}
+    # issue 40: the files are named once (rank 0), and Kineto's own USDT/ERROR lines are gone (DeviceSpec.profiler_log_env)
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith("profiling: ")]
+    assert said == [f"profiling: 2 profile files, 2 memory snapshot files in {prof}"], said
+    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith(("USDT:", "ERROR:", "STAGE:"))], proc.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import functools
 import os
 import resource
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from qwen3_research.devices import host, peaks
 from qwen3_research.devices.registry import register
@@ -179,6 +180,10 @@ SPEC = register(DeviceSpec(
     compile_cache_facts=lambda probe: [cpu_id()],
     runs_on_host=True,  # also: QWEN3_CPU_ALLOCATOR=auto preloads mimalloc for its runs (allocator.py)
     profiler_activities=("CPU",),
+    # Kineto's own lines on every CPU profile: "USDT: ... profiler_start/profiler_stop" and, with torch's CUDA wheel,
+    # "ERROR: ... gpuGetDeviceCount failed with code 35" (issue 40 weak case). 6 is above its every level (4 and 5
+    # still print USDT); the trace file and the run's own "profile written" line are what a CPU profile gives.
+    profiler_log_env=MappingProxyType({"KINETO_LOG_LEVEL": "6"}),
     # the CPU allocator keeps no history: the torch profiler records every allocation (profile_memory=True)
     memory_snapshot="profiler",
     peaks=MeasuredPeaks(),

@@ -75,6 +75,8 @@ class DeviceSpec(NamedTuple):
     # non-blocking copy asserts an accelerator (torch/distributed/checkpoint/staging.py), so CPU has none
     pinned_staging: bool = False
     profiler_activities: tuple[str, ...] = ("CPU",)  # torch.profiler.ProfilerActivity names; (): no torch.profiler
+    # Environment set (unless already set) before torch.profiler first starts in a rank: Kineto reads its log level then
+    profiler_log_env: Mapping[str, str] = MappingProxyType({})
     memory_snapshot: str | None = None  # how ``profiling.memory_snapshot`` records: allocator | profiler | None
     profiler_environment: Callable[..., dict[str, str]] | None = None  # (ProfilingConfig, run_dir) -> runtime's env
     peaks: Mapping[str, float] = MappingProxyType({})  # reference dense peak FLOP/s per rank by dtype key
