@@ -264,8 +264,11 @@ class Step:
         return value
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """The mean loss over the label tokens of training.eval_batches held-out batches on every data-parallel rank."""
+    def evaluate(self, should_stop: Callable[[], int] | None = None) -> float | None:
+        """The mean loss over the label tokens of training.eval_batches held-out batches on every data-parallel rank.
+        ``should_stop`` (the loop's ``StopOnSignal.requested``: the same answer on every rank) is asked before each
+        batch after the first: a stop signal abandons the evaluation (None), where Ctrl-C used to wait for all of
+        it (issue 40 weak case)."""
         t = self.cfg.training
         batches = self.data.val_batches(t.eval_batches, self.dp_rank, self.dp_size)
         if not batches:
@@ -274,7 +277,9 @@ class Step:
         model.eval()
         total = torch.zeros(2, device=self.torch_device)  # the label tokens' summed loss, their count
         try:
-            for b in batches:
+            for i, b in enumerate(batches):
+                if i and should_stop is not None and should_stop():
+                    return None
                 positions = None if b.positions is None else b.positions.to(self.torch_device)
                 n = label_tokens(b)
                 if self.pipeline is not None:  # forward only, through the schedule

@@ -137,7 +137,7 @@ class Trainer:
                     record = None
                     if state.step % t.log_every == 0 or state.step == t.steps or state.step == 1:
                         record = self._record(loss, grad_norm, lr, dt, progress.tokens_per_step)
-                    record = self._evaluate_when_due(record)
+                    record = self._evaluate_when_due(record, stop)
                     record = self._save_when_due(record, progress)
                     self._log(record, progress)
                     self._commit_or_stop(stop)
@@ -184,12 +184,18 @@ class Trainer:
             self._log_profiles(barrier=True)
         return loss, grad_norm, lr, dt
 
-    def _evaluate_when_due(self, record: dict | None) -> dict | None:
-        """Every eval_every steps and at the last: the held-out loss, into ``record`` (one is made if none)."""
+    def _evaluate_when_due(self, record: dict | None, stop: StopOnSignal) -> dict | None:
+        """Every eval_every steps and at the last: the held-out loss, into ``record`` (one is made if none). A stop
+        signal during it abandons it (said once): the loop then saves and stops, as after any step."""
         state, eval_every = self.step.state, self.step.eval_every
         if not eval_every or (state.step % eval_every != 0 and state.step != self.cfg.training.steps):
             return record
-        state.final_eval_loss = self.step.evaluate()
+        loss = self.step.evaluate(stop.requested)
+        if loss is None:
+            if self.is_main:
+                print(f"evaluation after step {state.step} abandoned: a stop signal came during it", flush=True)
+            return record
+        state.final_eval_loss = loss
         return {**(record or {"step": state.step}), "eval_loss": state.final_eval_loss}
 
     def _log(self, record: dict | None, progress: _Progress) -> None:

@@ -492,3 +492,26 @@ def test_a_swept_non_ascii_value_gets_advice_that_keeps_the_sweep():
         assert advice.startswith("quote each value") and parsed.sweep is sweep
         assert parsed.value == ('"é","ü"' if sweep else '["é","b"]')
     assert _quoting_advice("data.text", "é") == "quote it: 'data.text=\"é\"'"
+
+
+def test_a_stop_signal_abandons_a_long_evaluation(tmp_path):
+    """Issue 40: Ctrl-C during a long evaluation waited for all of its batches. Expected: ``Step.evaluate`` asks the
+    loop's stop flag before each batch after the first and returns None once it is set: one forward (3 without a stop,
+    on 3 held-out batches); the model is back in training mode; without a stop the value is the plain evaluation's."""
+    from qwen3_research.compose import compose as compose_run
+    from qwen3_research.resolve import resolve_run
+    from qwen3_research.step import build_step, place
+
+    run = resolve_run(compose_run(["training.eval_batches=3", "data.seq_len=32", "data.batch_size=2",
+                                   "logging.wandb.mode=disabled"]))
+    step = build_step(run, place(run), run_dir=tmp_path)
+    forwards = []
+    hook = step.backend.model.register_forward_hook(lambda *a: forwards.append(1))
+    asked = []
+    assert step.evaluate(lambda: asked.append(1) or 2) is None  # SIGINT's number, as StopOnSignal.requested gives
+    print(f"stopped: {len(forwards)} forward(s), asked {len(asked)} time(s)")
+    assert len(forwards) == 1 and len(asked) == 1 and step.backend.model.training
+    forwards.clear()
+    plain = step.evaluate()
+    assert len(forwards) == 3 and step.evaluate(lambda: 0) == plain
+    hook.remove()
