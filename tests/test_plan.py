@@ -179,6 +179,12 @@ def test_the_planner_builds_the_runs_step_and_rewrites_nothing(fault_hook, monke
                                "logging.wandb.mode=offline", "checkpoint.enable=true", "checkpoint.export_hf=true",
                                "training.track_memory=true"])
     run = resolve_run(config, plan=True)
+    # torch sets TORCHINDUCTOR_CACHE_DIR itself the first time anything asks for Inductor's cache directory (the import
+    # of torchtitan's attention module does, through torch.compile): asked here first, so that the snapshot holds it
+    # whichever test this worker ran before (the test failed when it was the first to import torchtitan)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
     before = (copy.deepcopy(run.config), dataclasses.asdict(run.rc), dict(os.environ))
     originals = (titan.build_model, parallel.build_parallel_dims, DeviceMesh.__init__, dist.all_gather_object)
     built, traced = [], []
