@@ -88,7 +88,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
     ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
                     "qwen3_research.kernels.*",
-                    "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.pipeline", "qwen3_research.optim", "qwen3_research.lora",
+                    "qwen3_research.parallel", "qwen3_research.data", "qwen3_research.loss", "qwen3_research.pipeline", "qwen3_research.pipeline_trace", "qwen3_research.optim", "qwen3_research.lora",
                     "qwen3_research.lora_params",
                     "qwen3_research.memory", "qwen3_research.profiling", "qwen3_research.metrics", "qwen3_research.report",
                     "qwen3_research.routing", "qwen3_research.token_stream", "qwen3_research.chat", "qwen3_research.chat_sources",
