@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import _redistribute as redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
@@ -47,6 +51,7 @@ class RankPlan:
     kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
     param_shards: int | None = None  # this rank's own (sharded) parameter bytes; traced params − this = gathered
     params_max: int | None = None  # the largest parameter bytes over the step (shards + FSDP's gathered copies)
+    stages: list[int] | None = None  # parallelism.pp > 1: this rank's pipeline stage indices
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Plan:
     step_line: str = ""
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
     lora_line: str = ""  # model.lora: the adapters (trainable) and the frozen base, by the closed form's count
+    mirror_of: dict = field(default_factory=dict)  # mirrored rank -> the traced rank whose shapes it has
 
     @property
     def peak(self) -> int:
@@ -88,14 +94,26 @@ class Plan:
 
     def as_dict(self) -> dict:
         """What a run records (W&B config, summary.json) and a sweep compares."""
-        return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
-                "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+        out = {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
+               "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+        if self.per_stage_peak():
+            out["per_stage_peak_gib"] = {s: round(b / GIB, 4) for s, b in self.per_stage_peak().items()}
+        return out
 
     def per_rank_peak(self) -> dict[int, int]:
-        """Peak bytes of rank 0 and the largest rank (a mirrored rank has rank 0's)."""
-        out = {r.rank: r.peak for r in self.ranks}
+        """Peak bytes of every traced rank and the ranks mirrored from them (a mirrored rank has its source's)."""
+        traced = {r.rank: r.peak for r in self.ranks}
+        out = dict(traced)
         for rank in self.mirrored:
-            out[rank] = self.ranks[0].peak
+            out[rank] = traced[self.mirror_of.get(rank, self.ranks[0].rank)]
+        return dict(sorted(out.items()))
+
+    def per_stage_peak(self) -> dict[int, int]:
+        """A pipelined plan's peak per pipeline stage (the largest of the traced ranks holding it); {} without pp."""
+        out: dict[int, int] = {}
+        for r in self.ranks:
+            for stage in r.stages or ():
+                out[stage] = max(out.get(stage, 0), r.peak)
         return dict(sorted(out.items()))
 
 
@@ -183,12 +201,25 @@ def _sharding_propagation_in_its_own_fake_mode():
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
+def _forget_other_ranks_meshes() -> None:
+    """DTensor's caches (sharding propagation, redistribution plans, mesh topology) are keyed by specs whose meshes
+    compare by layout, not by process group: after one rank's trace, the next rank's trace on a fresh fake group got
+    the first trace's meshes back (tensor parallel groups that do not exist in its world: "Could not resolve the
+    process group registered under the name 11", tp x pp). Each trace starts with them empty, as a run does."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    redistribute.clear_redistribute_planner_cache()
+    getattr(redistribute, "_gen_transform_infos", None) and redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def trace_rank(run, rank: int, world: int) -> RankPlan:
     """One training step of the run's own step (``step.build_step``, ``Step.__call__``) as ``rank`` of ``world``,
     on fake tensors; live tensor bytes. ``run``: the resolved run (``resolve.ResolvedRun``), as it is: the trace
     placement (``trace_placement``) says fake CPU tensors, nothing loaded, compiled or written."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_other_ranks_meshes()
     if world > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -206,8 +237,9 @@ def trace_rank(run, rank: int, world: int) -> RankPlan:
                      if ln.startswith("    ") and not ln.strip().startswith("layers.")]
             kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
             shards = parallel.state_bytes(step.backend.model)["params"]
+            stages = list(step.pipeline.stages) if step.pipeline is not None else None
         return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved),
-                        param_shards=int(shards), params_max=most["params"])
+                        param_shards=int(shards), params_max=most["params"], stages=stages)
     finally:
         if dist.is_initialized():  # also the one-rank group of a single MoE process
             dist.destroy_process_group()
@@ -286,7 +318,44 @@ def estimate(run: ResolvedRun) -> dict:
     # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
     # the AdamW state, created at the first step), whichever is larger.
     out["peak"] = params + max(layers_act + logits + gathered, 3 * grads)
+    if degrees.pipelined:
+        out = _largest_stage(run, f, layer, lora, out, per_token=layers_act / tokens / f.n_layers, s_p=s_p, mp=mp)
     return {k: int(val) for k, val in out.items()}
+
+
+def _largest_stage(run, f, layer: float, lora, whole: dict, *, per_token: float, s_p: int, mp: int) -> dict:
+    """The closed form of a pipelined run's largest rank: an edge rank (the embedding, or the norm and lm_head, each
+    weighed as one layer by torchtitan's split; a V schedule's rank 0 holds both) with its share of the layers. Its
+    first stage holds 1F1B's min(micro-batches, pp) micro-batches of activations at once (GPipe: every one), its
+    last stage one micro-batch's logits (GPipe: every one's). FSDP keeps a pipelined stage gathered from forward to
+    backward (torchtitan: no resharding after forward under pp) and its gradients unsharded until the last
+    micro-batch's backward (torch's stage: no reduction before ``perform_reduce_grad``)."""
+    rc, d = run.rc, run.degrees
+    v, dim = f.vocab_size, f.dim
+    units = f.n_layers + parallel.PP_EDGE_LAYERS
+    per_rank = -(-units // d.pp)
+    v_shape = parallel.PP_SCHEDULES.get(d.pp_schedule) == "v"
+    edges = 2 if v_shape else 1
+    layers = max(0, min(f.n_layers, per_rank - edges))
+    stage_total = layers * layer + edges * (v * dim) + dim
+    trainable = 4 * lora.adapters / d.pp if lora else stage_total
+    shard = d.dp_shard * d.tp
+    params, grads = 4 * stage_total / shard, 4 * trainable / shard
+    n_mb = d.pp_microbatches
+    tokens_mb = rc.data.batch_size * rc.data.seq_len / n_mb
+    held = n_mb if d.pp_schedule == "GPipe" else min(n_mb, d.pp)
+    first = tokens_mb * held * per_token * layers
+    last_held = n_mb if d.pp_schedule == "GPipe" else 1
+    if rc.training.loss == "chunked":
+        logits = 3 * min(rc.training.loss_chunk_tokens, tokens_mb) * v / d.tp * 4 + tokens_mb * 4 * dim
+    else:
+        logits = tokens_mb * v * (mp + 4 + 4)
+    last = tokens_mb * last_held * per_token * layers + logits * last_held
+    gathered = s_p * stage_total / d.tp + 4 * trainable / d.tp
+    out = {**whole, "params": params, "grads": grads, "optimizer": 2 * grads, "activations": max(first, last),
+           "logits and loss": logits * last_held, "fsdp gathered": gathered}
+    out["peak"] = params + max(max(first, last) + gathered, 3 * grads)
+    return out
 
 
 # -- the whole plan ----------------------------------------------------------------------------
@@ -310,9 +379,6 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     trace rank 0 and the largest rank (only rank 0 when every shard is even, unless ``trace_all``)."""
     run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
-    if degrees.pipelined:
-        raise ConfigError(f"parallelism.pp={degrees.pp}: the memory plan does not trace pipeline stages yet (issue 42, "
-                          "part 2); plan the run with parallelism.pp=1, or run it without a plan")
     planned = run.config["device"]["type"]
     spec = devices.get(run.device_type)  # the resolved kind: the planned one when this host lacks it
     gpu_peak = None
@@ -327,23 +393,27 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     world = degrees.world_size
     ranks = []
     est = estimate(run)
-    mirrored = []
-    for rank in sorted({0, world - 1}):
-        if rank and ranks[0].even_shards and not trace_all:
-            mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
-            continue
-        if spec.kernels_by_shape:  # kernels checked for, and NKI ones traced by shape as, the planned device
-            with planning_for(run.device_type, run.lnc):
-                rp = trace_rank(run, rank, world)
-        else:
-            rp = trace_rank(run, rank, world)
-        if rp.kernel_saved:
-            est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
-        rp.estimate = est
-        ranks.append(rp)
+    mirrored, mirror_of = [], {}
+    for first, last in rank_roles(degrees):
+        for rank in sorted({first, last}):
+            lead = next((r for r in ranks if r.rank == first), None)
+            if rank != first and lead.even_shards and not trace_all:
+                mirrored.append(rank)  # same shapes as its group's first rank (evenly_sharded): not traced again
+                mirror_of[rank] = first
+                continue
+            # A tensor-parallel trace after another one gets the earlier trace's meshes back from torch's DTensor
+            # machinery (meshes compare by layout; not found in a cache that can be cleared here): its own process
+            fresh = bool(ranks) and degrees.tp > 1
+            rp = (_trace_in_a_fresh_process if fresh else trace_role)(run, rank, world, spec.kernels_by_shape)
+            if rp.kernel_saved:
+                rp.estimate = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
+            else:
+                rp.estimate = est
+            ranks.append(rp)
     flops = models.flops_per_token(rc.model, rc.data.seq_len) * run.tokens_per_step
     plan = Plan(ranks, cap, source, world, degrees.describe(), run.tokens_per_step, flops, time.perf_counter() - t0, mirrored,
-                planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+                planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines,
+                mirror_of=mirror_of)
     _compile_and_step_time(plan, run, gpu_peak)
     f = models.architecture(rc.model)
     lora = lora_params.count_for(f, rc.model) if f is not None else None
@@ -352,6 +422,27 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
                           f"{', '.join(lora.projections)} in each of {f.n_layers} layers); {lora.frozen:,} frozen "
                           "(float32 bytes, no gradients, no AdamW state)")
     return plan
+
+
+def rank_roles(degrees) -> list[tuple[int, int]]:
+    """(first, last) rank of each group of ranks that hold the same model part: the whole world, or with
+    parallelism.pp > 1 each pipeline rank's group (torchtitan's mesh puts pp outermost: ranks
+    ``[s * world / pp, (s + 1) * world / pp)`` hold pipeline rank ``s``'s stages). A group's first rank is traced,
+    its last too unless the first's shards are even."""
+    group = degrees.world_size // degrees.pp
+    return [(s * group, (s + 1) * group - 1) for s in range(degrees.pp)]
+
+
+def trace_role(run, rank: int, world: int, kernels_by_shape: bool) -> RankPlan:
+    if kernels_by_shape:  # kernels checked for, and NKI ones traced by shape as, the planned device
+        with planning_for(run.device_type, run.lnc):
+            return trace_rank(run, rank, world)
+    return trace_rank(run, rank, world)
+
+
+def _trace_in_a_fresh_process(run, rank: int, world: int, kernels_by_shape: bool) -> RankPlan:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trace_role, run, rank, world, kernels_by_shape).result()
 
 
 def _gpu_peak_here(kind: str) -> float | None:
@@ -385,11 +476,20 @@ def render(plan: Plan) -> str:
 
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
-    if plan.mirrored:
+    traced = {r.rank: r for r in plan.ranks}
+    if plan.mirrored and not plan.mirror_of:
         lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
                      "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
-    # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
-    cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
+    elif plan.mirrored:
+        lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
+                     "evenly, so every rank holds the shapes and bytes of the first rank of its pipeline stage(s) "
+                     "(--trace-all-roles traces it)")
+    # one column per rank role: traced, or (mirrored) its source's trace under the rank's own number
+    cols = [(f"traced r{r.rank}" + (f" (stage {','.join(map(str, r.stages))})" if r.stages else ""), r)
+            for r in plan.ranks]
+    for m in plan.mirrored:
+        src = plan.mirror_of.get(m, plan.ranks[0].rank)
+        cols.append((f"r{m} = r{src}", traced[src]))
     est = plan.ranks[0].estimate
     body = []
     for key in ("params", "grads", "optimizer", "activations", "backward temps", "buffers"):
@@ -403,6 +503,13 @@ def render(plan: Plan) -> str:
     body.append(["peak (live tensors)", *(g(r.peak) for _, r in cols), g(est["peak"]) if est else "-"])
     lines.append(tables.render(["GiB per rank", *(name for name, _ in cols), "closed form"], body,
                                align=["left"] + ["right"] * (len(cols) + 1)))
+    if plan.per_stage_peak():
+        stages = plan.per_stage_peak()
+        worst = max(stages, key=stages.get)
+        lines.append("pipeline stages, each traced as torch's schedule runs it on its rank (qwen3_research.pipeline_trace: "
+                     "the micro-batches it holds at once, its receive buffers, its gradients unreduced until the last "
+                     "micro-batch): peak " + ", ".join(f"stage {st} {b / GIB:.3f} GiB" for st, b in stages.items())
+                     + f"; the plan's per-rank figure is the largest stage's (stage {worst})")
     if plan.kernel_lines:
         lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
         lines += [f"  {ln}" for ln in plan.kernel_lines]
