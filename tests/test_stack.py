@@ -84,7 +84,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                       "qwen3_research.verify_kernels", "qwen3_research.export", "qwen3_research.compare",
                       "qwen3_research.config_docs"]),
     ("launch", ["qwen3_research.launch", "qwen3_research.launch.*"]),
-    ("recipe", ["qwen3_research.trainer", "qwen3_research.step", "qwen3_research.planner", "qwen3_research.fit"]),
+    ("recipe", ["qwen3_research.trainer", "qwen3_research.step", "qwen3_research.planner", "qwen3_research.closed_form", "qwen3_research.fit"]),
     ("run state", ["qwen3_research.resolve", "qwen3_research.run", "qwen3_research.run.*"]),
     ("components", ["qwen3_research.models", "qwen3_research.models.*", "qwen3_research.kernels",
                     "qwen3_research.kernels.*",
