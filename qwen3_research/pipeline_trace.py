@@ -124,22 +124,23 @@ def replay(schedule, *, n_microbatches: int, inputs: torch.Tensor, labels: torch
             if (tuple(sent.shape), sent.dtype) != (tuple(shape), dtype):
                 raise RuntimeError(f"stage {s} sends {tuple(sent.shape)} {sent.dtype} per micro-batch; the plan gave "
                                    f"the next stage {tuple(shape)} {dtype} (step.stage_boundary)")
-        cache[(s, i)] = (loss(out, ys[i]) if st.is_last else outs, [a for a in args if isinstance(a, torch.Tensor)])
+        # torch keeps the outputs (the last stage's logits too, beside its loss) until the micro-batch's backward
+        cache[(s, i)] = (outs, [a for a in args if isinstance(a, torch.Tensor)], loss(out, ys[i]) if st.is_last else None)
 
     def bwd_kwargs(s: int, i: int) -> dict:
         st = stages[s]
-        output, inputs_ = cache.pop((s, i))
+        outs, inputs_, loss_ = cache.pop((s, i))
         if st.is_last:
-            return {"stage_output": output, "output_grads": None, "input_values": inputs_}
+            return {"stage_output": loss_, "output_grads": None, "input_values": inputs_, "outputs": outs}
         grads = local_grad.pop((s, i)) if (s, i) in local_grad else (received(grad_recv[(s, i)]),)
-        return {"stage_output": output, "output_grads": grads, "input_values": inputs_}
+        return {"stage_output": outs, "output_grads": grads, "input_values": inputs_, "outputs": outs}
 
     def after_backward(s: int, i: int, kw: dict, grads_in) -> None:
         st = stages[s]
         if s - 1 in stages and grads_in is not None:  # torch hands the local part over (set_local_bwd_input)
             local_grad[(s - 1, i)] = tuple(received(_local(g)) if g is not None else None for g in grads_in)
         if st.is_last and not st.is_first:  # torch frees the last stage's graph context this way
-            for t in kw["stage_output"] if isinstance(kw["stage_output"], tuple) else (kw["stage_output"],):
+            for t in kw.pop("outputs"):
                 if not t._is_view():
                     t.detach_()
 
