@@ -381,7 +381,7 @@ def render(plan: Plan) -> str:
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
     traced = {r.rank: r for r in plan.ranks}
-    if plan.mirrored and not plan.mirror_of:
+    if plan.mirrored and not plan.per_stage_peak():
         lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
                      "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
     elif plan.mirrored:
