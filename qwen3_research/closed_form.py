@@ -82,7 +82,7 @@ def _largest_stage(run, f, layer: float, lora, whole: dict, *, per_token: float,
     edges = 2 if v_shape else 1
     layers = max(0, min(f.n_layers, per_rank - edges))
     stage_total = layers * layer + edges * (v * dim) + dim
-    trainable = 4 * lora.adapters / d.pp if lora else stage_total
+    trainable = lora.adapters / d.pp if lora else stage_total
     shard = d.dp_shard * d.tp
     params, grads = 4 * stage_total / shard, 4 * trainable / shard
     n_mb = d.pp_microbatches
