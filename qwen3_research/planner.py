@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor import _redistribute as redistribute
-from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
@@ -201,25 +199,12 @@ def _sharding_propagation_in_its_own_fake_mode():
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
-def _forget_other_ranks_meshes() -> None:
-    """DTensor's caches (sharding propagation, redistribution plans, mesh topology) are keyed by specs whose meshes
-    compare by layout, not by process group: after one rank's trace, the next rank's trace on a fresh fake group got
-    the first trace's meshes back (tensor parallel groups that do not exist in its world: "Could not resolve the
-    process group registered under the name 11", tp x pp). Each trace starts with them empty, as a run does."""
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    redistribute.clear_redistribute_planner_cache()
-    getattr(redistribute, "_gen_transform_infos", None) and redistribute._gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
-
-
 def trace_rank(run, rank: int, world: int) -> RankPlan:
     """One training step of the run's own step (``step.build_step``, ``Step.__call__``) as ``rank`` of ``world``,
     on fake tensors; live tensor bytes. ``run``: the resolved run (``resolve.ResolvedRun``), as it is: the trace
     placement (``trace_placement``) says fake CPU tensors, nothing loaded, compiled or written."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _forget_other_ranks_meshes()
     if world > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
