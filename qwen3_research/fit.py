@@ -11,12 +11,16 @@ Knobs (a key the user set on the command line, or a key a sweep varies, is froze
 - the tensor-parallel degree among those the world allows (``tp`` divides the world, the query and KV heads and
   the sequence), with sequence parallel on (it only saves memory); only where ``parallelism.dp_shard=-1`` lets FSDP
   take the remaining ranks;
+- the pipeline-parallel degree ``parallelism.pp`` (its auto micro-batches, pp, dividing the micro-batch), only for
+  an untied model (torchtitan's split refuses tied embeddings) where ``parallelism.dp_shard=-1`` lets data parallel
+  take the remaining ranks: each rank then holds its stages' parameters, gradients and AdamW state, at the cost of
+  the pipeline's bubble (below), so it is proposed only where the variants without it do not fit or cost more;
 - LoRA (``model.lora.enable=true``, the ``model.lora`` settings as configured): the base frozen, gradients and AdamW
   state for the adapters only. It trains something else (adapters, not the model), so a LoRA variant ranks after
   every full-training one: it is printed when fewer than ``k`` of those fit, and its line says so.
 
 Search: every candidate's cost comes from a closed form (instant); its memory from the planner's closed form
-(``planner.estimate``) as a screen, then the real trace (``planner.make_plan``, the same code path as a plan
+(``closed_form.estimate``) as a screen, then the real trace (``planner.make_plan``, the same code path as a plan
 without ``--fit``) of the cheapest candidates that pass the screen, until ``k`` fit. Traces are reused: a
 candidate is traced once, and a candidate that needs at least as much memory as one traced not to fit (same tp,
 at least its micro-batch, weaker or equal checkpointing, loss and precision) is not traced at all. Every printed
@@ -29,7 +33,9 @@ FLOPs; selective: about half of that), over the device's dense peak in the dtype
 bytes sent per rank (ring collectives, (n-1)/n): FSDP all-gathers every unit in forward and again in backward and
 reduce-scatters float32 gradients (LoRA: the adapters' only) once per micro-batch; tensor parallel moves each block's activations four times
 per micro-batch (all-gather + reduce-scatter, forward and backward; the full loss also all-gathers the logits).
-Ranked by compute time, then communication bytes: no measured interconnect figure is in this repository to add
+A pipeline adds its 1F1B bubble to the compute time ((micro-batches + pp - 1) / micro-batches) and each micro-batch's
+hidden states and their gradients to the bytes sent, and divides the FSDP traffic by pp (a rank gathers only its
+stages). Ranked by compute time, then communication bytes: no measured interconnect figure is in this repository to add
 them (a first-order model, not a simulator).
 """
 
@@ -46,12 +52,15 @@ from qwen3_research import devices
 from qwen3_research import lora_params
 from qwen3_research import models
 from qwen3_research import overrides
-from qwen3_research.planner import GIB, capacity, estimate, make_plan
+from qwen3_research import parallel
+from qwen3_research.closed_form import estimate
+from qwen3_research.planner import GIB, capacity, make_plan
 from qwen3_research.resolve import ResolvedRun, resolve_run
 
 AC_LEVELS = ("none", "selective", "full")
 KNOB_KEYS = ("data.batch_size", "training.grad_accum", "parallelism.activation_checkpoint", "training.loss",
-             "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel", "model.lora.enable")
+             "training.mixed_precision", "parallelism.tp", "parallelism.sequence_parallel", "model.lora.enable",
+             "parallelism.pp")
 SCREEN = 1.25  # a candidate whose closed-form peak exceeds the capacity by more than this is not traced
 MAX_TRACES = 10  # at most this many traces before the search stops (the ranking is closed form)
 
@@ -67,6 +76,7 @@ class Candidate:
     chunked: bool
     bf16: bool
     lora: bool = False  # model.lora.enable in this variant
+    pp: int = 1  # parallelism.pp in this variant (its micro-batches: pp, the auto setting)
     compute_s: float = 0.0  # per optimizer step, at the device's dense peak
     comm_bytes: float = 0.0  # sent per rank per optimizer step
     estimate_gib: float = 0.0  # the planner's closed form (the screen)
@@ -129,6 +139,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_degrees(run, frozen: set[str] = frozenset()) -> list[int]:
+    """The parallelism.pp values a variant may take: the configured one, and where the user left it free, the
+    layout lets data parallel take the remaining ranks (dp_shard=-1) and the model can be pipelined (untied
+    embeddings: torchtitan's split refuses a tied one), every divisor of the world up to the stage units (layers
+    plus the embedding and the lm_head). A degree the installed torchtitan or the rest of the run cannot take is
+    refused by the run's own resolution (``search``), as every other variant."""
+    rc, d = run.rc, run.degrees
+    f = models.architecture(rc.model)
+    if ("parallelism.pp" in frozen or rc.parallelism.dp_shard != -1 or rc.parallelism.dp_replicate != 1 or f is None
+            or f.tie_embeddings):
+        return [d.pp]
+    units = f.n_layers + parallel.PP_EDGE_LAYERS
+    return [x for x in _divisors(d.world_size) if x <= units]
+
+
 def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
     """Every legal variant of ``run`` (a ``resolve.ResolvedRun``) over the knobs not in ``frozen``."""
     rc, d, config = run.rc, run.degrees, run.config
@@ -138,6 +163,7 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
     tps = [d.tp]
     if "parallelism.tp" not in frozen and p.dp_shard == -1 and p.dp_replicate == 1 and d.ep == 1:
         tps = [x for x in _divisors(world) if heads % x == 0 and kv % x == 0 and rc.data.seq_len % x == 0]
+    pps = pipeline_degrees(run, frozen)
     acs = [a for a in AC_LEVELS if AC_LEVELS.index(a) >= AC_LEVELS.index(p.activation_checkpoint)]
     if "parallelism.activation_checkpoint" in frozen:
         acs = [p.activation_checkpoint]
@@ -150,14 +176,18 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
     if not lora_on and "model.lora.enable" not in frozen and "lora" in config.get("model", {}):
         loras = [False, True]
     out = []
-    for tp in tps:
-        dp = world // tp if tp != d.tp else d.dp
+    for tp, pp in itertools.product(tps, pps):
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp) if (tp, pp) != (d.tp, d.pp) else d.dp
         if global_seqs % dp:
             continue
         per_rank = global_seqs // dp  # sequences per rank per optimizer step
         batches = [b for b in _divisors(per_rank) if b <= max(rc.data.batch_size, 1)]
         if {"data.batch_size", "training.grad_accum"} & frozen:
             batches = [rc.data.batch_size] if per_rank % rc.data.batch_size == 0 else []
+        if pp > 1 and pp != d.pp:  # a new pipeline's auto micro-batches (pp) must divide the micro-batch
+            batches = [b for b in batches if b % pp == 0]
         sp = d.sequence_parallel if tp == d.tp else tp > 1
         if "parallelism.sequence_parallel" in frozen:
             sp = d.sequence_parallel if tp > 1 else False
@@ -165,6 +195,8 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
             changes = {}
             if tp != d.tp:
                 changes["parallelism.tp"] = tp
+            if pp != d.pp:
+                changes["parallelism.pp"] = pp
             if sp != d.sequence_parallel:
                 changes["parallelism.sequence_parallel"] = sp
             accum = per_rank // b
@@ -183,7 +215,7 @@ def candidates(run, frozen: set[str] = frozenset()) -> list[Candidate]:
             variant = copy.deepcopy(config)
             for k, v in changes.items():
                 _set(variant, k, v)
-            out.append(Candidate(changes, variant, tp, sp, b, ac, loss == "chunked", mp == "bf16", lora))
+            out.append(Candidate(changes, variant, tp, sp, b, ac, loss == "chunked", mp == "bf16", lora, pp))
     return out
 
 
@@ -215,15 +247,22 @@ def cost(c: Candidate, run) -> None:
         per_token = per_token - 2 * (blocks + v * d) + 6 * lora.adapters
     flops = per_token * global_tokens * (1 + recompute) / world
     peak = _peak(run.device_type, c.bf16)  # the resolved kind: the planned one when this host lacks it
-    c.compute_s = flops / peak
+    # A pipeline's bubble: each rank idles (pp - 1) of (micro-batches + pp - 1) slots of a 1F1B step (micro-batches:
+    # pp, the auto setting, so (2 pp - 1) / pp of the compute time; looped schedules shrink it, this ranks them
+    # as 1F1B); a variant with pp therefore ranks after one without that fits
+    n_mb = run.degrees.pp_microbatches if c.pp == run.degrees.pp else c.pp
+    bubble = (n_mb + c.pp - 1) / n_mb if c.pp > 1 else 1.0
+    c.compute_s = flops / peak * bubble
     if f is None:
         return
-    dp = world // c.tp
+    dp = world // (c.tp * c.pp)
     accum = global_tokens // (seq * c.batch * dp)
-    total_params = f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2)
+    total_params = (f.n_layers * layer + v * d * (1 if f.tie_embeddings else 2)) / c.pp  # one rank's stages
     s_p = 2 if c.bf16 else 4
-    reduced = lora.adapters if lora else total_params  # float32 gradients reduce-scattered
+    reduced = lora.adapters / c.pp if lora else total_params  # float32 gradients reduce-scattered
     fsdp = accum * (2 * s_p * total_params + 4 * reduced) / c.tp * (dp - 1) / dp if dp > 1 else 0.0
+    if c.pp > 1:  # each micro-batch's hidden states forward and their gradients back, between neighbouring stages
+        fsdp += accum * 2 * c.batch * seq * d * (2 if c.bf16 else 4)
     tp = 0.0
     if c.tp > 1:
         s_a = 2 if c.bf16 else 4
@@ -240,7 +279,7 @@ def _memory_order(c: Candidate) -> tuple:
 
 def _needs_at_least(c: Candidate, failed: Candidate) -> bool:
     """``c`` needs at least the memory of ``failed`` (same tp and SP, every knob at most as saving)."""
-    return (c.tp == failed.tp and c.sp == failed.sp and c.batch >= failed.batch
+    return (c.tp == failed.tp and c.sp == failed.sp and c.pp == failed.pp and c.batch >= failed.batch
             and AC_LEVELS.index(c.ac) <= AC_LEVELS.index(failed.ac) and c.chunked <= failed.chunked
             and c.bf16 <= failed.bf16 and c.lora <= failed.lora)
 
@@ -290,14 +329,15 @@ def _smallest(cands: list[Candidate], run, cap: float, echo) -> tuple[Candidate 
     largest term."""
     if not cands:
         return None, "no legal variant of this configuration (the world allows no other layout)"
-    best = min(cands, key=lambda c: (-c.tp, _memory_order(c)))
+    best = min(cands, key=lambda c: (-c.tp * c.pp, -c.pp, _memory_order(c)))
     r = resolve_run(best.config, plan=True, kernels=False)
     est = estimate(r)
     state = sum(est.get(k, 0) for k in ("params", "grads", "optimizer")) / GIB if est else 0.0
     if state > cap:
         return best, (f"float32 parameters + gradients + AdamW state alone are {state:.1f} GiB per rank "
                       f"(params {est['params'] / GIB:.1f}, grads {est['grads'] / GIB:.1f}, optimizer "
-                      f"{est['optimizer'] / GIB:.1f} GiB over {r.degrees.dp_shard * r.degrees.tp} shards) > "
+                      f"{est['optimizer'] / GIB:.1f} GiB over {r.degrees.dp_shard * r.degrees.tp} shards"
+                      f"{f' of the largest of {r.degrees.pp} pipeline ranks' if r.degrees.pipelined else ''}) > "
                       f"{cap:.2f} GiB: shard over more ranks (parallelism.nproc_per_node / nnodes, dp_shard)")
     best.plan = best.plan or make_plan(best.config)
     worst = max(best.plan.ranks, key=lambda rp: rp.peak)

@@ -58,12 +58,15 @@ def peak_tracker():
             return out
 
         def _pre_fw_hook(self, module, inputs) -> None:
-            # A second forward of the root module in one tracked step (training.grad_accum > 1) is refused upstream
-            # ("multiple iterative calls"; fix: reset_mod_stats). Only per-module stats are reset, which nothing
-            # here reads; the whole-rank peak below spans every micro-batch.
+            # A second forward of the root module in one tracked step (training.grad_accum > 1, a pipeline stage's
+            # micro-batches) is refused upstream ("multiple iterative calls"; fix: reset_mod_stats). Only this root's
+            # own stats are dropped, which nothing here reads: clearing every module's (reset_mod_stats) broke the
+            # backward of another root still pending (a looped pipeline schedule: rank 0 runs stage 2's second
+            # forward before stage 0's backwards, whose modules' hooks then find no stats). The whole-rank peak
+            # below spans every micro-batch.
             if not self._mod_tracker.is_bw and module in self.memory_tracking and \
                     set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-                self.reset_mod_stats()
+                del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
         def _update_peak_stats(self, peak_state) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from qwen3_research.data import IGNORE_INDEX
 from qwen3_research.loss import chunked_cross_entropy
+from qwen3_research.pipeline_trace import replay
 
 
 @dataclass(eq=False, kw_only=True)
@@ -35,6 +36,10 @@ class Pipeline:
     n_step: int = 1  # label tokens of the whole step (every micro-batch and data-parallel rank)
     scale: float = 1.0  # dp × loss_scale (Step.forward_backward)
     sums: list = field(default_factory=list)
+    # the memory plan's trace (step.Placement.trace): no peer to run the schedule with, so this rank's part of it
+    # is replayed (pipeline_trace), the stages' inputs from others empty tensors of ``boundary`` (shape, dtype)
+    trace: bool = False
+    boundary: tuple | None = None
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the step's token-mean loss (as ``Step.forward_backward`` weighs it)."""
@@ -54,7 +59,10 @@ class Pipeline:
         self.sums.clear()
         args = (inputs,) if self.has_first else ()
         kwargs = dict(target=labels if self.has_last else None, losses=[] if self.has_last else None)
-        if train:
+        if train and self.trace:
+            replay(self.schedule, n_microbatches=self.microbatches, inputs=inputs, labels=labels, loss=self.loss,
+                   boundary=self.boundary)
+        elif train:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         else:
             self.schedule.eval(*args, **kwargs)

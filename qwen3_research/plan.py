@@ -12,6 +12,10 @@ about 30 s on 2 cores). A closed-form estimate is printed beside it as a cross-c
 Rank roles: rank 0 and the largest rank. When every sharded parameter dimension divides evenly over
 its mesh axis (``evenly_sharded``) every rank holds the same shapes and runs the same operators, so
 only rank 0 is traced and the output says so; ``--trace-all-roles`` traces the largest rank anyway.
+With ``parallelism.pp > 1`` the roles are per pipeline stage group (the first and the largest rank of each):
+each traced rank steps through its part of torch's schedule, replayed in torch's order (a fake process group
+has no peer to run it with: ``qwen3_research.pipeline_trace``); each stage's peak is printed and the plan's
+per-rank figure is the largest stage's.
 
 Two things a real run does outside the tracked step are kept outside it here too: host work (the
 device mesh, built by the trace placement on the host and concatenated by FSDP; the meta-device model
@@ -32,7 +36,8 @@ keep for backward is in the traced peak, and each kernel's own terms (padding, s
 printed under the table. Nothing runs on, or claims to have run on, a Neuron device.
 
 ``--fit`` searches the knobs a user would turn (micro-batch with gradient accumulation keeping the global batch,
-activation checkpointing, chunked loss, bf16, tensor parallel degree with sequence parallel) and prints the few
+activation checkpointing, chunked loss, bf16, tensor parallel degree with sequence parallel, pipeline parallel
+degree on an untied model) and prints the few
 variants that fit, cheapest predicted step first, each as the whole command line; exit 0 with suggestions, 4 when
 nothing fits (naming the term that dominates). How it searches and ranks: ``qwen3_research.fit``.
 

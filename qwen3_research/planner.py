@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +30,7 @@ from qwen3_research import compiling, lora_params, models, parallel, tables, tit
 from qwen3_research import devices
 from qwen3_research.kernels.registry import planning_for
 from qwen3_research.memory import tracked
-from qwen3_research.errors import ConfigError
+from qwen3_research.closed_form import estimate
 from qwen3_research.resolve import ResolvedRun, resolve_run
 from qwen3_research.step import Placement, build_step
 
@@ -47,6 +49,7 @@ class RankPlan:
     kernel_saved: int = 0  # bytes the kernels keep for backward (KernelSpec.cost), in the traced peak
     param_shards: int | None = None  # this rank's own (sharded) parameter bytes; traced params − this = gathered
     params_max: int | None = None  # the largest parameter bytes over the step (shards + FSDP's gathered copies)
+    stages: list[int] | None = None  # parallelism.pp > 1: this rank's pipeline stage indices
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Plan:
     step_line: str = ""
     kernel_lines: list[str] = field(default_factory=list)  # the kernel plan's cost lines (KernelSpec.cost)
     lora_line: str = ""  # model.lora: the adapters (trainable) and the frozen base, by the closed form's count
+    mirror_of: dict = field(default_factory=dict)  # mirrored rank -> the traced rank whose shapes it has
 
     @property
     def peak(self) -> int:
@@ -88,14 +92,26 @@ class Plan:
 
     def as_dict(self) -> dict:
         """What a run records (W&B config, summary.json) and a sweep compares."""
-        return {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
-                "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+        out = {"predicted_peak_gib": round(self.peak_gib, 4), "capacity_gib": round(self.capacity_gib, 2),
+               "verdict": self.verdict, "per_rank_peak_gib": {r: round(b / GIB, 4) for r, b in self.per_rank_peak().items()}}
+        if self.per_stage_peak():
+            out["per_stage_peak_gib"] = {s: round(b / GIB, 4) for s, b in self.per_stage_peak().items()}
+        return out
 
     def per_rank_peak(self) -> dict[int, int]:
-        """Peak bytes of rank 0 and the largest rank (a mirrored rank has rank 0's)."""
-        out = {r.rank: r.peak for r in self.ranks}
+        """Peak bytes of every traced rank and the ranks mirrored from them (a mirrored rank has its source's)."""
+        traced = {r.rank: r.peak for r in self.ranks}
+        out = dict(traced)
         for rank in self.mirrored:
-            out[rank] = self.ranks[0].peak
+            out[rank] = traced[self.mirror_of.get(rank, self.ranks[0].rank)]
+        return dict(sorted(out.items()))
+
+    def per_stage_peak(self) -> dict[int, int]:
+        """A pipelined plan's peak per pipeline stage (the largest of the traced ranks holding it); {} without pp."""
+        out: dict[int, int] = {}
+        for r in self.ranks:
+            for stage in r.stages or ():
+                out[stage] = max(out.get(stage, 0), r.peak)
         return dict(sorted(out.items()))
 
 
@@ -217,8 +233,9 @@ def trace_rank(run, rank: int, world: int) -> RankPlan:
                      if ln.startswith("    ") and not ln.strip().startswith("layers.")]
             kernel_saved = sum(getattr(kp, "saved_bytes", {}).values())
             shards = parallel.state_bytes(step.backend.model)["params"]
+            stages = list(step.pipeline.stages) if step.pipeline is not None else None
         return RankPlan(rank, cats, peak, even_shards=even, kernel_lines=lines, kernel_saved=int(kernel_saved),
-                        param_shards=int(shards), params_max=most["params"])
+                        param_shards=int(shards), params_max=most["params"], stages=stages)
     finally:
         if dist.is_initialized():  # also the one-rank group of a single MoE process
             dist.destroy_process_group()
@@ -239,65 +256,6 @@ def evenly_sharded(model) -> bool:
             if isinstance(placement, Shard) and p.shape[placement.dim] % p.device_mesh.size(axis):
                 return False
     return True
-
-
-# -- the closed form ---------------------------------------------------------------------------
-def estimate(run: ResolvedRun) -> dict:
-    """Bytes per rank by formula (fp32 weights, AdamW; with LoRA, gradients and AdamW state for the adapters only):
-    a cross-check of the trace, not the prediction."""
-    rc, degrees, precision = run.rc, run.degrees, run.precision
-    f = models.architecture(rc.model)
-    if f is None:  # a backend without a closed form (model=hf)
-        return {}
-    d, hd, h, kv, v = f.dim, f.head_dim, f.n_heads, f.n_kv_heads, f.vocab_size
-    attn = d * (h + 2 * kv) * hd + h * hd * d + 2 * hd + 2 * d
-    ffn = (f.num_experts * 3 * d * f.hidden_dim + d * f.num_experts) if f.num_experts else 3 * d * f.hidden_dim
-    layer = attn + ffn
-    shard = degrees.dp_shard * degrees.tp
-    # LoRA (model.lora.enable): the base is frozen, so only the adapters have gradients and AdamW state; every
-    # parameter, frozen or not, keeps its float32 bytes.
-    lora = lora_params.count_for(f, rc.model)
-    total = lora.total if lora else lora_params.base_params(f)
-    trainable = lora.adapters if lora else total
-    params = 4 * total / shard
-    grads = 4 * trainable / shard
-    tokens = rc.data.batch_size * rc.data.seq_len
-    tp, sp = degrees.tp, degrees.sequence_parallel
-    f_act = (f.top_k * f.hidden_dim * 4 + 3 * f.num_experts + 2 * d * f.top_k) if f.num_experts else 4 * f.hidden_dim
-    # per token and layer, fp32: norms' inputs/outputs and residuals (D), q/k/v and their norm and rope
-    # outputs, attention output and its log-sum-exp, the FFN's w1/w3/silu/product (or the routed experts').
-    # FSDP2's bf16 parameter copies (the run's PrecisionPlan), so bf16 activations too; autocast (one process, or a
-    # layout without FSDP2 units) keeps float32 activations at the block boundaries.
-    bf16_params = precision.param_dtype == "bfloat16"
-    s_a = 2 if bf16_params else 4
-    per_token_layer = s_a * ((5 * d) / (tp if sp else 1) + (3 * h * hd + 3 * kv * hd + h) / tp + f_act / tp)
-    ac = rc.parallelism.activation_checkpoint
-    layers_act = tokens * per_token_layer * f.n_layers
-    if ac == "full":
-        layers_act = tokens * s_a * d / (tp if sp else 1) * f.n_layers + tokens * per_token_layer
-    elif ac == "selective":
-        layers_act *= 0.6
-    mp = 2 if precision.compute_dtype == "bfloat16" else 4
-    if rc.training.loss == "chunked":
-        logits = 3 * min(rc.training.loss_chunk_tokens, tokens) * v / tp * 4 + tokens * 4 * d
-    else:  # logits, their fp32 log-softmax kept for backward, and the gradient (full vocabulary: no loss parallel)
-        logits = tokens * v * (mp + 4 + 4)
-    # FSDP: one block gathered and the next prefetched, plus the root unit (embeddings, norm, lm_head), which stays
-    # gathered from its forward to its backward; bf16 copies under bf16 (fp32 shards), whose backward also casts a
-    # block's gradients into an fp32 reduce-scatter input (torch's _fsdp_collectives.foreach_reduce).
-    s_p = 2 if bf16_params else 4
-    root = v * d * (1 if f.tie_embeddings else 2) + d
-    # (a frozen block has no gradient to cast: LoRA's adapters are too small to count there)
-    grad_cast = 4 * layer if bf16_params and not lora else 0
-    gathered = (s_p * (2 * layer + root) + grad_cast) / tp if degrees.dp_shard > 1 else 0
-    out = {"params": params, "grads": grads, "optimizer": 2 * grads, "activations": layers_act,
-           "logits and loss": logits, "fsdp gathered": gathered}
-    if lora:
-        out["lora adapters"] = 4 * lora.adapters / shard  # in params above; the only bytes with grads and state
-    # Peak: at the start of backward (activations and logits alive) or at the optimizer step (grads and
-    # the AdamW state, created at the first step), whichever is larger.
-    out["peak"] = params + max(layers_act + logits + gathered, 3 * grads)
-    return {k: int(val) for k, val in out.items()}
 
 
 # -- the whole plan ----------------------------------------------------------------------------
@@ -321,9 +279,6 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     trace rank 0 and the largest rank (only rank 0 when every shard is even, unless ``trace_all``)."""
     run = resolved if isinstance(resolved, ResolvedRun) else resolve_run(resolved, plan=True)
     rc, degrees = run.rc, run.degrees
-    if degrees.pipelined:
-        raise ConfigError(f"parallelism.pp={degrees.pp}: the memory plan does not trace pipeline stages yet (issue 42, "
-                          "part 2); plan the run with parallelism.pp=1, or run it without a plan")
     planned = run.config["device"]["type"]
     spec = devices.get(run.device_type)  # the resolved kind: the planned one when this host lacks it
     gpu_peak = None
@@ -338,23 +293,27 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
     world = degrees.world_size
     ranks = []
     est = estimate(run)
-    mirrored = []
-    for rank in sorted({0, world - 1}):
-        if rank and ranks[0].even_shards and not trace_all:
-            mirrored.append(rank)  # same shapes as rank 0 everywhere (evenly_sharded): not traced again
-            continue
-        if spec.kernels_by_shape:  # kernels checked for, and NKI ones traced by shape as, the planned device
-            with planning_for(run.device_type, run.lnc):
-                rp = trace_rank(run, rank, world)
-        else:
-            rp = trace_rank(run, rank, world)
-        if rp.kernel_saved:
-            est = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
-        rp.estimate = est
-        ranks.append(rp)
+    mirrored, mirror_of = [], {}
+    for first, last in rank_roles(degrees):
+        for rank in sorted({first, last}):
+            lead = next((r for r in ranks if r.rank == first), None)
+            if rank != first and lead.even_shards and not trace_all:
+                mirrored.append(rank)  # same shapes as its group's first rank (evenly_sharded): not traced again
+                mirror_of[rank] = first
+                continue
+            # A tensor-parallel trace after another one gets the earlier trace's meshes back from torch's DTensor
+            # machinery (meshes compare by layout; not found in a cache that can be cleared here): its own process
+            fresh = bool(ranks) and degrees.tp > 1
+            rp = (_trace_in_a_fresh_process if fresh else trace_role)(run, rank, world, spec.kernels_by_shape)
+            if rp.kernel_saved:
+                rp.estimate = {**est, "kernel saved": rp.kernel_saved, "peak": est["peak"] + rp.kernel_saved}
+            else:
+                rp.estimate = est
+            ranks.append(rp)
     flops = models.flops_per_token(rc.model, rc.data.seq_len) * run.tokens_per_step
     plan = Plan(ranks, cap, source, world, degrees.describe(), run.tokens_per_step, flops, time.perf_counter() - t0, mirrored,
-                planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines)
+                planned_for=planned if run.planned_elsewhere else None, kernel_lines=ranks[0].kernel_lines,
+                mirror_of=mirror_of)
     _compile_and_step_time(plan, run, gpu_peak)
     f = models.architecture(rc.model)
     lora = lora_params.count_for(f, rc.model) if f is not None else None
@@ -363,6 +322,27 @@ def make_plan(resolved: dict | ResolvedRun, trace_all: bool = False) -> Plan:
                           f"{', '.join(lora.projections)} in each of {f.n_layers} layers); {lora.frozen:,} frozen "
                           "(float32 bytes, no gradients, no AdamW state)")
     return plan
+
+
+def rank_roles(degrees) -> list[tuple[int, int]]:
+    """(first, last) rank of each group of ranks that hold the same model part: the whole world, or with
+    parallelism.pp > 1 each pipeline rank's group (torchtitan's mesh puts pp outermost: ranks
+    ``[s * world / pp, (s + 1) * world / pp)`` hold pipeline rank ``s``'s stages). A group's first rank is traced,
+    its last too unless the first's shards are even."""
+    group = degrees.world_size // degrees.pp
+    return [(s * group, (s + 1) * group - 1) for s in range(degrees.pp)]
+
+
+def trace_role(run, rank: int, world: int, kernels_by_shape: bool) -> RankPlan:
+    if kernels_by_shape:  # kernels checked for, and NKI ones traced by shape as, the planned device
+        with planning_for(run.device_type, run.lnc):
+            return trace_rank(run, rank, world)
+    return trace_rank(run, rank, world)
+
+
+def _trace_in_a_fresh_process(run, rank: int, world: int, kernels_by_shape: bool) -> RankPlan:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trace_role, run, rank, world, kernels_by_shape).result()
 
 
 def _gpu_peak_here(kind: str) -> float | None:
@@ -396,11 +376,20 @@ def render(plan: Plan) -> str:
 
     lines = [f"plan: {plan.layout}; {plan.tokens_per_step} tokens/step, {plan.flops_per_step:.3e} FLOPs/step "
              f"(forward+backward); traced in {plan.trace_s:.1f} s"]
-    if plan.mirrored:
+    traced = {r.rank: r for r in plan.ranks}
+    if plan.mirrored and not plan.per_stage_peak():
         lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
                      "evenly, so every rank holds rank 0's shapes and bytes (--trace-all-roles traces it)")
-    # one column per rank role: traced, or (mirrored) rank 0's trace under the rank's own number
-    cols = [(f"traced r{r.rank}", r) for r in plan.ranks] + [(f"r{m} = r0", plan.ranks[0]) for m in plan.mirrored]
+    elif plan.mirrored:
+        lines.append(f"rank {', '.join(map(str, plan.mirrored))} not traced: every sharded parameter dimension divides "
+                     "evenly, so every rank holds the shapes and bytes of the first rank of its pipeline stage(s) "
+                     "(--trace-all-roles traces it)")
+    # one column per rank role: traced, or (mirrored) its source's trace under the rank's own number
+    cols = [(f"traced r{r.rank}" + (f" (stage {','.join(map(str, r.stages))})" if r.stages else ""), r)
+            for r in plan.ranks]
+    for m in plan.mirrored:
+        src = plan.mirror_of.get(m, plan.ranks[0].rank)
+        cols.append((f"r{m} = r{src}", traced[src]))
     est = plan.ranks[0].estimate
     body = []
     for key in ("params", "grads", "optimizer", "activations", "backward temps", "buffers"):
@@ -414,6 +403,13 @@ def render(plan: Plan) -> str:
     body.append(["peak (live tensors)", *(g(r.peak) for _, r in cols), g(est["peak"]) if est else "-"])
     lines.append(tables.render(["GiB per rank", *(name for name, _ in cols), "closed form"], body,
                                align=["left"] + ["right"] * (len(cols) + 1)))
+    if plan.per_stage_peak():
+        stages = plan.per_stage_peak()
+        worst = max(stages, key=stages.get)
+        lines.append("pipeline stages, each traced as torch's schedule runs it on its rank (qwen3_research.pipeline_trace: "
+                     "the micro-batches it holds at once, its receive buffers, its gradients unreduced until the last "
+                     "micro-batch): peak " + ", ".join(f"stage {st} {b / GIB:.3f} GiB" for st, b in stages.items())
+                     + f"; the plan's per-rank figure is the largest stage's (stage {worst})")
     if plan.kernel_lines:
         lines.append("kernel terms (rank 0; the trace counts the tensors they keep for backward while those live):")
         lines += [f"  {ln}" for ln in plan.kernel_lines]

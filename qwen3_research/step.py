@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import Replicate, Shard
 
 from qwen3_research import compiling, lora, models, parallel, startup, titan
 from qwen3_research import devices
@@ -351,7 +352,8 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
     if degrees.pipelined:  # torchtitan's pipeline_llm: this rank's stages, each sharded as below, and the schedule
         pipeline = Pipeline(group=where.parallel_dims.get_mesh("pp").get_group(), microbatches=degrees.pp_microbatches,
                             chunk_tokens=cfg.training.loss_chunk_tokens if cfg.training.loss == "chunked" else None,
-                            column_major=run.precision.lm_head_column_major)
+                            column_major=run.precision.lm_head_column_major, trace=where.trace,
+                            boundary=stage_boundary(run, where.parallel_dims) if where.trace else None)
         pipeline.schedule, pipeline.stages, pipeline.has_first, pipeline.has_last = backend.pipeline(
             where.parallel_dims, tt, loss_fn=pipeline.loss, local_batch_size=cfg.data.batch_size,
             microbatches=degrees.pp_microbatches)
@@ -399,6 +401,21 @@ def build_step(run: ResolvedRun, where: Placement, *, run_dir: str | Path) -> St
         precision=precision, autocast=autocast, compiled=compiled, cross_entropy=cross_entropy,
         optimizer=optimizer, scheduler=scheduler, state=state, pipeline=pipeline,
     )
+
+
+def stage_boundary(run: ResolvedRun, parallel_dims) -> tuple:
+    """What one pipeline stage hands the next per micro-batch (``pipeline_trace.replay``'s ``boundary``): a block's
+    output, the hidden states of data.batch_size / pp_microbatches sequences in the FSDP2 parameters' dtype the
+    blocks compute in; under tensor parallel a DTensor on the tp mesh, sharded over the sequence with sequence
+    parallel (the block's last projection returns Shard(1)), else replicated. (local shape, dtype, None or (tp
+    mesh, placements, global shape))."""
+    d, f = run.degrees, models.architecture(run.rc.model)
+    full = (run.rc.data.batch_size // d.pp_microbatches, run.rc.data.seq_len, f.dim)
+    dtype = torch.bfloat16 if run.precision.param_dtype == "bfloat16" else torch.float32
+    if d.tp == 1:
+        return full, dtype, None
+    local = (full[0], full[1] // d.tp, full[2]) if d.sequence_parallel else full
+    return local, dtype, (parallel_dims.get_mesh("tp"), (Shard(1) if d.sequence_parallel else Replicate(),), full)
 
 
 def dp_coordinates(degrees: Degrees, parallel_dims) -> tuple[int, int]:

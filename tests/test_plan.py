@@ -140,6 +140,70 @@ def test_prediction_within_15_percent_of_the_measured_peak(name):
         assert abs(predicted / measured - 1) <= 0.15
 
 
+@pytest.mark.slow  # 209 s on the shared 2 cores: 3 traces here, 3 runs of 2, 2 and 4 ranks
+@pytest.mark.parametrize("name", ["pp2 1F1B", "pp2 Interleaved1F1B", "fsdp2xpp2 GPipe"])  # bench_plan.PP_CONFIGS
+def test_pipelined_prediction_within_15_percent_of_each_stages_measured_peak(name, tmp_path):
+    """Issue 42 acceptance c: the plan of a pipelined run (each stage group's first rank traced, torch's schedule
+    replayed on it: qwen3_research.pipeline_trace) against the run's own second step on every rank, tiny_untied at
+    seq 32 over 2 steps: 1F1B (stage 0 holds both micro-batches at once), Interleaved1F1B (two stages per rank, the
+    schedule's own lowered program) and fsdp(2) x pp(2) under GPipe (4 ranks; every micro-batch held, gradients
+    unsharded until the last). Measured: within 0.7 % on every rank but fsdp2xpp2's stage 0 (9.7 % low: gloo's
+    reduce-scatter copies its input on CPU, unmodelled as for the unpipelined MoE fsdp2 case). At seq 32 the
+    151,936 x 128 embedding and lm_head dominate: this fails on a wrong split (one process's model: 2x the
+    parameter bytes), a missing unsharded copy or optimizer state, or the last stage's logits not held (78 MB of
+    0.52 GiB), not on the activations a stage holds (under 2 %)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_plan
+
+    from qwen3_research import planner
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.resolve import resolve_run
+
+    overrides = dict(bench_plan.PP_CONFIGS)[name]
+    plan = planner.make_plan(resolve_run(compose_resolved([*bench_plan.PP_COMMON, *overrides]), plan=True))
+    predicted = plan.per_rank_peak()
+    measured = bench_plan.measure(overrides, tmp_path / "run", bench_plan.PP_COMMON)
+    assert sorted(predicted) == list(range(len(measured))), (predicted, measured)
+    stage_of = {r.rank: r.stages for r in plan.ranks}
+    worst = 0.0
+    for rank, m in enumerate(measured):
+        p = predicted[rank]
+        stages = stage_of.get(rank) or stage_of[plan.mirror_of[rank]]
+        worst = max(worst, abs(p / m - 1))
+        print(f"{name} rank {rank} stage {','.join(map(str, stages))}: predicted {p / GIB:.4f} GiB, measured "
+              f"{m / GIB:.4f} GiB ({100 * (p / m - 1):+.1f} %){'' if rank in stage_of else ' (not traced)'}")
+    assert len(plan.per_stage_peak()) == 2 * (2 if "Interleaved" in name else 1)
+    assert worst <= 0.15
+
+
+def test_fit_offers_pp_only_on_an_untied_model_and_ranks_it_after_the_same_variant_without():
+    """Issue 42: plan --fit's pp knob, in this process (no trace). On 4 ranks (dp_shard=-1) an untied flavor gets
+    pp 2 and 4 (divisors of the world up to its 8 stage units), each variant with its auto micro-batches (pp)
+    dividing its micro-batch; the tied tiny gets none (torchtitan's split refuses tied embeddings), nor does one
+    whose command line sets parallelism.pp. A pp variant costs the 1F1B bubble more compute than the same variant
+    without pp: (2 pp - 1) / pp, 1.5 at pp 2."""
+    from qwen3_research import fit
+    from qwen3_research.compose import compose_resolved
+    from qwen3_research.resolve import resolve_run
+
+    def cands(flavor, frozen=frozenset()):
+        run = resolve_run(compose_resolved([f"model.flavor={flavor}", "parallelism=fsdp", "parallelism.nproc_per_node=4",
+                                            "data.seq_len=32", "data.batch_size=4", "device=cpu"]), plan=True)
+        out = fit.candidates(run, frozen)
+        for c in out:
+            fit.cost(c, run)
+        return out
+
+    untied = cands("tiny_untied")
+    assert sorted({c.pp for c in untied}) == [1, 2, 4]
+    assert all(c.batch % c.pp == 0 for c in untied) and all(c.changes.get("parallelism.pp", 1) == c.pp for c in untied)
+    assert {c.pp for c in cands("tiny")} == {1}
+    assert {c.pp for c in cands("tiny_untied", frozenset({"parallelism.pp"}))} == {1}
+    by_key = {(c.tp, c.pp, c.batch, c.ac, c.chunked, c.bf16, c.lora): c for c in untied}
+    pairs = [(c, by_key[(c.tp, 1, c.batch, c.ac, c.chunked, c.bf16, c.lora)]) for c in untied if c.pp == 2]
+    assert pairs and all(abs(p.compute_s / q.compute_s - 1.5) < 1e-9 for p, q in pairs)
+
+
 def test_uneven_shards_trace_the_last_rank_too():
     """tiny's dimensions (128, 384, 151,936) divide by 2 but not by 3: over 3 FSDP ranks the last rank holds
     smaller shards, so the plan traces it as well; over 2 it traces rank 0 only and says so."""

@@ -141,7 +141,7 @@ def test_the_planner_and_the_readers_read_the_plan_not_the_setting(monkeypatch):
 
     from qwen3_research import titan
     from qwen3_research.compose import compose_resolved
-    from qwen3_research.planner import estimate
+    from qwen3_research.closed_form import estimate
     from qwen3_research.resolve import precision_plan, resolve_run
 
     run = resolve_run(compose_resolved(["parallelism=tp2", "training.mixed_precision=bf16", "device=cpu",
