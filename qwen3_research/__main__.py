@@ -251,8 +251,10 @@ def _task(cfg: DictConfig):
         if multirun:
             # Hydra's basic sweeper aborts the sweep on a job exception; a failed point must not.
             # launch.elastic.run already wrote its summary.json (status failed + reason) for the report.
-            print(f"sweep point {hc.job.num} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                  file=sys.stderr, flush=True)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            # a config error is the point's refusal, made before any of its workers started
+            print(f"sweep point {hc.job.num} refused: config error: {first}" if isinstance(e, ConfigError)
+                  else f"sweep point {hc.job.num} failed: {first}", file=sys.stderr, flush=True)
             return {"status": "failed", "reason": str(e)}
         if isinstance(e, ConfigError):
             _die(f"config error: {e}")

@@ -187,6 +187,19 @@ class ParallelismConfig:
     """cpu: allow more than CPU_RANKS_PER_CORE (8) ranks per core of this host (resolve.py)."""
 
 
+# Keys that act only with pipeline stages: a run with parallelism.pp=1 ignores them, so a sweep's points that differ
+# only in them are one run (launch/sweep.py runs it once).
+PIPELINE_ONLY_KEYS = ("parallelism.pp_schedule", "parallelism.pp_microbatches", "parallelism.pp_layers_per_stage")
+
+
+def inert_keys(config: dict) -> dict[str, str]:
+    """The keys of a composed config (``compose_resolved``) that change nothing in its run, each with why; always a
+    subset of ``PIPELINE_ONLY_KEYS``. Whether a key is inert never depends on one of those keys (the sweep's repeat
+    check composes one point of a group and applies the answer to the others)."""
+    pp = (config.get("parallelism") or {}).get("pp", 1)
+    return {key: "has no effect at parallelism.pp=1" for key in PIPELINE_ONLY_KEYS} if pp == 1 else {}
+
+
 @dataclass
 class KernelEntry:
     """One kernel override (qwen3_research.kernels.registry)."""

@@ -21,6 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from qwen3_research import overrides, tables
 EXIT_SOME_FAILED = 3  # a sweep finished, but at least one point failed
+# The status of a sweep point that was not started because another point runs the same run (launch/repeats.py):
+# its summary.json names that point (``same_as``) and why the keys it differs in change nothing.
+DUPLICATE = "duplicate"
 
 
 @dataclass
@@ -44,7 +47,10 @@ class RunRecord:
         return rows[-1]["loss"] if rows and self.status == "ok" else None
 
     def steps_reached(self) -> str | None:
-        """'reached/planned' steps, e.g. '4/8' for a point interrupted after step 4."""
+        """'reached/planned' steps, e.g. '4/8' for a point interrupted after step 4; None for a duplicate (its
+        steps are the other point's)."""
+        if self.status == DUPLICATE:
+            return None
         done = self.summary.get("steps") or self.summary.get("step") or max((r.get("step", 0) for r in self.rows), default=0)
         planned = self.planned_steps()
         return f"{done}/{planned}" if planned else (str(done) if done else None)
@@ -243,7 +249,7 @@ def plot(runs: list[RunRecord], out_dir: Path) -> list[Path]:
 # -- the sweep at a glance: two swept keys as a grid (issue 25 point 5) ------------------------------------
 PLAN_FILE = "plan.json"  # written by the sweep before its first point (qwen3_research.launch.sweep.plan_points)
 POINT_COLUMNS = ["point", "key_x", "x", "key_y", "y", "status", "tokens_per_s", "mfu", "peak_mem_gib",
-                 "peak_mem_gib_per_rank", "predicted_peak_gib", "measured_live_peak_gib"]
+                 "peak_mem_gib_per_rank", "predicted_peak_gib", "measured_live_peak_gib", "same_as"]
 
 
 def _plan_entries(paths: list[Path]) -> dict[int, dict]:
@@ -274,8 +280,9 @@ def _sort_values(values: list[str]) -> list[str]:
 
 def sweep_points(runs: list[RunRecord], paths: list[Path]) -> list[dict]:
     """One row per point of the sweep (``POINT_COLUMNS``): its two swept values, status, steady tokens/s, MFU,
-    measured peak memory (largest rank and per rank), the plan's predicted peak; points the plan listed that have
-    no run directory (a sweep stopped before them) are ``not run``. Empty unless exactly two keys vary."""
+    measured peak memory (largest rank and per rank), the plan's predicted peak; a duplicate names the point whose
+    run it is (``same_as``) and carries no number; points the plan listed that have no run directory (a sweep
+    stopped before them) are ``not run``. Empty unless exactly two keys vary."""
     keys = swept_keys(runs)
     plan = _plan_entries(paths)
     if len(keys) != 2:
@@ -288,13 +295,13 @@ def sweep_points(runs: list[RunRecord], paths: list[Path]) -> list[dict]:
         peaks = r.peak_mem_per_rank()
         predicted = (r.summary.get("prediction") or plan.get(num, {})).get("predicted_peak_gib")
         live = r.summary.get("peak_live_bytes_per_rank")
-        status = "ok" if r.status == "ok" else "skipped" if r.status == "skipped" else (
-            "interrupted" if r.status == "interrupted" else "failed")
+        status = r.status if r.status in ("ok", "skipped", "interrupted", DUPLICATE) else "failed"
         rows.append({"point": r.name, "key_x": kx, "x": r.overrides.get(kx, ""), "key_y": ky, "y": r.overrides.get(ky, ""),
                      "status": status, "tokens_per_s": r.tokens_per_s(), "mfu": r.mfu(),
                      "peak_mem_gib": max(peaks.values()) if peaks else None,
                      "peak_mem_gib_per_rank": " ".join(f"{peaks[k]:.3f}" for k in sorted(peaks)) or None,
-                     "predicted_peak_gib": predicted, "measured_live_peak_gib": max(live) / 1024**3 if live else None})
+                     "predicted_peak_gib": predicted, "measured_live_peak_gib": max(live) / 1024**3 if live else None,
+                     "same_as": r.summary.get("same_as")})
     for num, entry in sorted(plan.items()):
         if num in seen:
             continue
@@ -302,17 +309,20 @@ def sweep_points(runs: list[RunRecord], paths: list[Path]) -> list[dict]:
         rows.append({"point": f"{num} (planned)", "key_x": kx, "x": over.get(kx, ""), "key_y": ky, "y": over.get(ky, ""),
                      "status": "not run", "tokens_per_s": None, "mfu": None, "peak_mem_gib": None,
                      "peak_mem_gib_per_rank": None, "predicted_peak_gib": entry.get("predicted_peak_gib"),
-                     "measured_live_peak_gib": None})
+                     "measured_live_peak_gib": None, "same_as": None})
     return rows
 
 
 def best_point_line(runs: list[RunRecord], points: list[dict] | None = None) -> str:
     """One line: the point with the most tokens/s among those that ran to the end (status ok: it fit), and how
-    many did not."""
+    many did not; duplicates (another point's run) are counted apart, not as points that did not run."""
     ok = [r for r in runs if r.status == "ok" and r.tokens_per_s() is not None]
     others = {}
+    duplicates = sum(r.status == DUPLICATE for r in runs)
+    dup_tail = (f"; {duplicates} duplicate point{'s' if duplicates > 1 else ''} not run (the same run as another point)"
+                if duplicates else "")
     for r in runs:
-        if r.status != "ok":
+        if r.status not in ("ok", DUPLICATE):
             key = r.status if r.status in ("skipped", "interrupted") else "failed"
             others[key] = others.get(key, 0) + 1
     not_run = sum(p["status"] == "not run" for p in points or [])
@@ -320,7 +330,7 @@ def best_point_line(runs: list[RunRecord], points: list[dict] | None = None) -> 
         others["not run"] = not_run
     tail = ", ".join(f"{n} {k}" for k, n in sorted(others.items()))
     if not ok:
-        return f"sweep summary: no point ran to the end ({tail or 'no points'})"
+        return f"sweep summary: no point ran to the end ({tail or 'no points'}){dup_tail}"
     best = max(ok, key=lambda r: r.tokens_per_s())
     keys = swept_keys(runs)
     label = " ".join(f"{k}={best.overrides.get(k, '')}" for k in keys) or best.name
@@ -331,12 +341,14 @@ def best_point_line(runs: list[RunRecord], points: list[dict] | None = None) -> 
             + (f", MFU {mfu:.4f}" if mfu is not None else "")
             + (f", peak {max(peaks.values()):.3f} GiB per rank" if peaks else "")
             + (f" (plan {predicted:.3f} GiB)" if predicted is not None else "")
-            + f"; {len(ok)} of {len(runs) + not_run} points ran to the end" + (f" ({tail})" if tail else ""))
+            + f"; {len(ok)} of {len(runs) + not_run - duplicates} points ran to the end" + (f" ({tail})" if tail else "")
+            + dup_tail)
 
 
 def plot_heatmap(points: list[dict], path: Path) -> Path | None:
-    """tokens/s, MFU and peak memory per rank over the two swept keys; skipped, failed and not-run points marked,
-    the planner's predicted peak beside the measured one. None without points."""
+    """tokens/s, MFU and peak memory per rank over the two swept keys; skipped, failed, not-run and duplicate points
+    marked (a duplicate with the point whose run it is), the planner's predicted peak beside the measured one. None
+    without points."""
     if not points:
         return None
     import matplotlib
@@ -375,7 +387,8 @@ def plot_heatmap(points: list[dict], path: Path) -> Path | None:
                 value = (p[key] - finite.min()) / ((finite.max() - finite.min()) or 1)
                 color = "black" if value > 0.6 else "white"
             else:
-                text = marks.get(p["status"], p["status"])
+                text = (f"same run as\npoint {p['same_as']}" if p["status"] == DUPLICATE  # the cell holding its numbers
+                        else marks.get(p["status"], p["status"]))
                 if key == "peak_mem_gib" and p["predicted_peak_gib"] is not None:
                     text += f"\nplan {p['predicted_peak_gib']:.3f}"
                 color = "tab:red" if p["status"] == "failed" else "black"

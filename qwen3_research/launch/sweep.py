@@ -17,13 +17,17 @@ from qwen3_research import devices, overrides, slurm
 from qwen3_research.compose import compose_resolved, swept_keys_of_this_sweep
 from qwen3_research.config import WandbConfig
 from qwen3_research.errors import ConfigError
-from qwen3_research.report import EXIT_SOME_FAILED, POINT_COLUMNS, best_point_line, find_runs, report, sweep_points
+from qwen3_research.launch import repeats
+from qwen3_research.report import (DUPLICATE, EXIT_SOME_FAILED, POINT_COLUMNS, best_point_line, find_runs, report,
+                                   sweep_points)
 from qwen3_research.resolve import ResolvedRun, planned_elsewhere, resolve_run
 from qwen3_research.signals import Interrupted, signal_number
 from qwen3_research.startup import quiet_libraries
 
 
 _SWEEP_LOCKS: dict[str, Any] = {}  # sweep dir -> its rundir.RunDirLock, while this process's sweep runs
+# A point with one of these statuses did not fail: it ran, was predicted not to fit, or repeats another point's run.
+FINE = ("ok", "skipped", DUPLICATE)
 
 
 class SweepReport(Callback):
@@ -36,10 +40,13 @@ class SweepReport(Callback):
         # held in the module, not on the callback: a remote launcher (submitit) pickles the callbacks with the
         # job, and a lock (its RLock) does not pickle
         _SWEEP_LOCKS[str(config.hydra.sweep.dir)] = lock_sweep_dir(Path(config.hydra.sweep.dir))
+        jobs = sweep_jobs(config) or []
+        repeated = repeats.find_repeats(jobs, point_composer(config))  # before any point starts, with or without a plan
+        repeats.write(Path(config.hydra.sweep.dir), jobs, repeated, _point_key)
         if config.get("sweep") is not None and config.sweep.plan:
             def plan() -> dict:
                 resolutions: dict = {}
-                plan_points(config, Path(config.hydra.sweep.dir), resolutions=resolutions)
+                plan_points(config, Path(config.hydra.sweep.dir), resolutions=resolutions, repeated=repeated)
                 return resolutions
 
             _POINT_RESOLUTIONS.clear()
@@ -60,15 +67,15 @@ class SweepReport(Callback):
         summary_line = sweep_summary(runs, sweep_dir, config)
         point_s = [r.summary.get("wall_s") for r in runs]
         (sweep_dir / "sweep.json").write_text(json.dumps({
-            "wall_s": wall, "points": len(runs), "failed": sum(r.status not in ("ok", "skipped") for r in runs),
-            "skipped": sum(r.status == "skipped" for r in runs),
+            "wall_s": wall, "points": len(runs), "failed": sum(r.status not in FINE for r in runs),
+            "skipped": sum(r.status == "skipped" for r in runs), "duplicates": sum(r.status == DUPLICATE for r in runs),
             "points_wall_s": point_s,
         }, indent=1))
         print(summary_line, flush=True)  # the sweep's last stdout line
         lock = _SWEEP_LOCKS.pop(str(config.hydra.sweep.dir), None)
         if lock is not None:
             lock.release()
-        if any(r.status not in ("ok", "skipped") for r in runs):
+        if any(r.status not in FINE for r in runs):
             print(f"sweep finished with failed points (exit status {EXIT_SOME_FAILED})", file=sys.stderr, flush=True)
             sys.exit(EXIT_SOME_FAILED)
         if any(r.status == "skipped" for r in runs):
@@ -265,10 +272,23 @@ def resolve_point(composed: dict) -> tuple[ResolvedRun, bool]:
     return resolve_run(composed, prepare=devices.prepare_launch), True  # a fork's (or this point's own) environment
 
 
-def plan_points(config: DictConfig, sweep_dir: Path, echo=print, resolutions: dict | None = None) -> dict:
+def point_composer(config: DictConfig):
+    """``compose(job) -> dict``: a point as the sweep composes it: the sweep's own config file (--config-name) on the
+    directories given with --config-dir, not conf/config.yaml alone (whose nproc_per_node and batch may differ)."""
+    config_name = config.hydra.job.config_name or "config"
+    searchpath = [f"{s.schema}://{s.path}" for s in config.hydra.runtime.config_sources
+                  if s.provider == "command-line" and s.path]
+    return lambda job: compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
+
+
+def plan_points(config: DictConfig, sweep_dir: Path, echo=print, resolutions: dict | None = None,
+                repeated: dict[int, dict] | None = None) -> dict:
     """Plan every point (qwen3_research.plan), print the table, write plan.json; key -> entry. Each point is
     resolved once (``resolve_point``; ``resolutions`` gets those its run can start from, by point key); points whose
-    configs differ only in ``PLAN_FREE_KEYS`` are traced once."""
+    configs differ only in ``PLAN_FREE_KEYS`` are traced once; a point that repeats another's run
+    (``repeated``: ``repeats.find_repeats``) is neither resolved nor planned. A point its resolution refuses is
+    listed with its one config-error line (it will fail alone, before its workers start); a resolved point the
+    planner cannot plan, with ``no plan:`` and the reason (it runs)."""
     # deferred: start-up (__main__ imports this module for override parsing; the plan loads torch)
     from qwen3_research import fit, planner
 
@@ -278,43 +298,51 @@ def plan_points(config: DictConfig, sweep_dir: Path, echo=print, resolutions: di
     jobs = sweep_jobs(config)
     if not jobs:
         return {}
-    # Each point as the sweep composes it: the sweep's own config file (--config-name) on the directories
-    # given with --config-dir, not conf/config.yaml alone (whose nproc_per_node and batch may differ).
-    config_name = config.hydra.job.config_name or "config"
-    searchpath = [f"{s.schema}://{s.path}" for s in config.hydra.runtime.config_sources
-                  if s.provider == "command-line" and s.path]
+    compose = point_composer(config)
+    repeated = repeated or {}
     entries = {}
     rows = []
     params = OmegaConf.to_container(config.hydra.sweeper.params) if config.hydra.sweeper.get("params") else {}
     swept = swept_keys_of_this_sweep(params, sys.argv[1:])  # sweep.plan=fit keeps these as swept
     for num, job in enumerate(jobs):
         label = ",".join(o.text for o in overrides.parse(job) if overrides.is_point_key(o.key)) or f"job{num}"
+        if num in repeated:
+            entry = {"not_run": repeats.describe(repeated[num])}
+            entries[_point_key(job)] = {"num": num, "overrides": list(job), **entry}
+            rows.append((num, label, entry))
+            continue
         try:
-            composed = compose_resolved(list(job), config_name=config_name, searchpath=searchpath)
+            composed = compose(job)
             run, runnable = resolve_point(composed)  # its own seed, lr, … too where the plan is shared
-            if runnable and resolutions is not None:
-                resolutions[_point_key(job)] = (composed, run)
-            key = plan_key(composed)
-            if key in planned:
-                entry = dict(planned[key])
-            else:
-                plan = planner.make_plan(run)
-                entry = plan.as_dict()
-                if not plan.fits and config.sweep.plan == "fit":
-                    entry = _fitted(entry, composed, list(job), swept)
-                planned[key] = entry
         except ConfigError as e:
             entry = {"error": f"config error: {e}"}
         except Exception as e:  # noqa: BLE001 - a plan that cannot be made must not stop the sweep
             entry = {"error": f"plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        else:
+            if runnable and resolutions is not None:
+                resolutions[_point_key(job)] = (composed, run)
+            key = plan_key(composed)
+            try:
+                if key in planned:
+                    entry = dict(planned[key])
+                else:
+                    plan = planner.make_plan(run)
+                    entry = plan.as_dict()
+                    if not plan.fits and config.sweep.plan == "fit":
+                        entry = _fitted(entry, composed, list(job), swept)
+                    planned[key] = entry
+            except ConfigError as e:  # the point resolved: it runs, unplanned
+                entry = {"error": f"no plan: {e}"}
+            except Exception as e:  # noqa: BLE001 - a plan that cannot be made must not stop the sweep
+                entry = {"error": f"plan failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         entries[_point_key(job)] = {"num": num, "overrides": list(job), **entry}
         rows.append((num, label, entry))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / PLAN_FILE).write_text(json.dumps(entries, indent=1))
     echo("sweep plan (predicted peak live tensor bytes per rank, before any point starts):")
     for num, label, e in rows:
-        if "error" in e:
-            echo(f"  {num:>3}  {label}: {e['error']}")
+        if "error" in e or "not_run" in e:
+            echo(f"  {num:>3}  {label}: {e.get('error') or 'not run: ' + e['not_run']}")
         else:
             adjusted = ("; adjusted to fit: " + " ".join(e["adjusted_overrides"]) + f" (was {e['unadjusted_peak_gib']:.3f} "
                         "GiB)") if e.get("adjusted") else ""
@@ -397,8 +425,9 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
     with: ``cfg`` itself, or a copy with ``checkpoint.resume=auto`` for an interrupted attempt; the composed
     config is never written; the resolution its plan made of that config, ``point_resolution``, or None).
 
-    Skips a point whose summary.json already says ok (``sweep.resume``), and a point planned
-    not to fit (``sweep.skip_infeasible``); an earlier failed attempt is moved aside. A point directory a live
+    Skips a point whose summary.json already says ok (``sweep.resume``), a point that repeats another point's run
+    (``launch.repeats``: status duplicate), and a point planned not to fit (``sweep.skip_infeasible``); an earlier
+    failed attempt is moved aside. A point directory a live
     process holds (its run-dir lock) is refused: ConfigError, nothing moved.
     """
     run_path = Path(run_dir)
@@ -422,6 +451,9 @@ def prepare_point(cfg: DictConfig, run_dir: str, task_overrides, sweep_dir: str
             resumed = OmegaConf.merge(cfg, {"checkpoint": {"resume": "auto"}})  # a new config, as an override would
             print(f"sweep point {run_path.name}: resuming the interrupted attempt from {resume_from}", flush=True)
             return None, old.get("prediction") or {}, resumed, None
+    repeat = repeats.read(Path(sweep_dir), _point_key(task_overrides))
+    if repeat is not None:  # another point runs this run: not started (launch/repeats.py)
+        return repeats.record(run_path, repeat, write_summary=owner), {}, cfg, None
     entry = {}
     plan_path = Path(sweep_dir) / PLAN_FILE
     if plan_path.is_file():
