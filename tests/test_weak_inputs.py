@@ -515,3 +515,20 @@ def test_a_stop_signal_abandons_a_long_evaluation(tmp_path):
     plain = step.evaluate()
     assert len(forwards) == 3 and step.evaluate(lambda: 0) == plain
     hook.remove()
+
+
+def test_a_sweep_says_how_many_earlier_attempts_it_keeps(tmp_path):
+    """Issue 40: with sweep.resume=false every point's earlier attempt went to .previous_attempts on each run of the
+    sweep, which grew without a word. Expected: no line when there are none; one line with the count, the folder and
+    its size when there are (the sweep prints it before its summary line)."""
+    from qwen3_research.launch.sweep import previous_attempts_line
+
+    assert previous_attempts_line(tmp_path) is None
+    for point, n in (("0_training.seed=1", 1), ("0_training.seed=1", 2), ("1_training.seed=2", 1)):
+        d = tmp_path / ".previous_attempts" / point / str(n)
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_bytes(b"x" * 2**20)
+    line = previous_attempts_line(tmp_path)
+    print(line)
+    assert line == (f"earlier attempts kept: 3 in {tmp_path / '.previous_attempts'} (3.0 MiB); nothing there is deleted "
+                    "for you: remove the folder once you no longer need them")

@@ -71,6 +71,9 @@ class SweepReport(Callback):
             "skipped": sum(r.status == "skipped" for r in runs), "duplicates": sum(r.status == DUPLICATE for r in runs),
             "points_wall_s": point_s,
         }, indent=1))
+        kept = previous_attempts_line(sweep_dir)
+        if kept is not None:
+            print(kept, flush=True)
         print(summary_line, flush=True)  # the sweep's last stdout line
         lock = _SWEEP_LOCKS.pop(str(config.hydra.sweep.dir), None)
         if lock is not None:
@@ -216,6 +219,7 @@ def stop_sweep(sweep_dir: Path, point_dir: str, e: BaseException) -> int:
 # Exit status of a sweep whose points all ran ok or were skipped as predicted not to fit (some were).
 EXIT_SOME_SKIPPED = 5
 PLAN_FILE = "plan.json"
+PREVIOUS_ATTEMPTS = ".previous_attempts"  # <sweep dir>/.previous_attempts/<point>/<n>/: a point's earlier attempts
 
 
 def _point_key(texts) -> str:
@@ -375,13 +379,26 @@ def _get(config: dict, dotted: str):
     return node
 
 
+def previous_attempts_line(sweep_dir: Path) -> str | None:
+    """The earlier attempts this sweep dir keeps (``_move_previous_attempt``), said at the sweep's end: with
+    sweep.resume=false every point moved its last attempt there on each run of the sweep, silently growing it
+    (issue 40 weak case). None: there are none."""
+    root = Path(sweep_dir) / PREVIOUS_ATTEMPTS
+    attempts = [d for d in root.glob("*/*") if d.is_dir()] if root.is_dir() else []
+    if not attempts:
+        return None
+    size = sum(f.stat().st_size for d in attempts for f in d.rglob("*") if f.is_file())
+    return (f"earlier attempts kept: {len(attempts)} in {root} ({size / 2**20:.1f} MiB); nothing there is deleted "
+            "for you: remove the folder once you no longer need them")
+
+
 def _move_previous_attempt(run_dir: Path) -> Path | None:
     """A point run again: its earlier attempt's files (all but Hydra's .hydra/ and log) go to
     <sweep dir>/.previous_attempts/<point>/<n>/, so the point starts in a clean run dir and nothing is lost."""
     leftovers = [p for p in run_dir.iterdir() if p.name != ".hydra" and not p.name.endswith(".log")]
     if not leftovers:
         return None
-    root = run_dir.parent / ".previous_attempts" / run_dir.name
+    root = run_dir.parent / PREVIOUS_ATTEMPTS / run_dir.name
     n = 1
     while (root / str(n)).exists():
         n += 1
