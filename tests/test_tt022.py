@@ -257,6 +257,16 @@ def test_pipeline_parallel_is_a_one_line_config_error(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@only_on_legacy("test_async_checkpoint.py")
+@pytest.mark.feature("asynchronous checkpoints (checkpoint.async_mode)")
+def test_an_async_save_on_the_legacy_stack_is_its_steps_state(tmp_path, monkeypatch):
+    """Issue 42 deliver 5: checkpoint.async_mode on the tt022 stack (torch's dcp.async_save, Python 3.12). The main
+    suite's test, run here: an async save holds its step's state and stays unpublished until its write completed."""
+    from tests.test_async_checkpoint import test_an_async_save_is_its_steps_state_and_unpublished_until_written as check
+
+    check(tmp_path, monkeypatch)
+
+
 # -- kernels on both APIs (issue 22): never a vacuous pass, the contract doubles verify, MoE aligned ----
 
 
