@@ -31,24 +31,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-COMMON = ["model.flavor=tiny", "training.eval_every=0", "logging.wandb.mode=disabled", "logging.print_config=false",
+# model=native_moe's own flavor is tiny_moe (its preset); COMMON's tiny applies to the dense configs only: with
+# model.flavor=tiny the "moe" configs trained the dense tiny under the MoE preset, which model.require_moe now refuses
+COMMON = ["training.eval_every=0", "logging.wandb.mode=disabled", "logging.print_config=false",
           "logging.progress_bar=false", "device=cpu"]
 CONFIGS = [
-    ("dense single s128 full-loss AC none", ["model=native", "data.seq_len=128", "data.batch_size=4"]),
+    ("dense single s128 full-loss AC none", ["model=native", "model.flavor=tiny", "data.seq_len=128", "data.batch_size=4"]),
     ("moe fsdp2 s128 chunked AC none", ["model=native_moe", "parallelism=fsdp", "data.seq_len=128", "data.batch_size=2",
                                         "training.loss=chunked", "training.loss_chunk_tokens=64"]),
-    ("dense single s2048 chunked AC full", ["model=native", "data.seq_len=2048", "data.batch_size=2",
+    ("dense single s2048 chunked AC full", ["model=native", "model.flavor=tiny", "data.seq_len=2048", "data.batch_size=2",
                                             "parallelism.activation_checkpoint=full", "training.loss=chunked"]),
-    ("dense fsdp2 s512 full-loss AC none", ["model=native", "parallelism=fsdp", "data.seq_len=512", "data.batch_size=2"]),
-    ("dense tp2 s256 chunked AC none", ["model=native", "parallelism=tp2", "data.seq_len=256", "data.batch_size=2",
+    ("dense fsdp2 s512 full-loss AC none", ["model=native", "model.flavor=tiny", "parallelism=fsdp", "data.seq_len=512", "data.batch_size=2"]),
+    ("dense tp2 s256 chunked AC none", ["model=native", "model.flavor=tiny", "parallelism=tp2", "data.seq_len=256", "data.batch_size=2",
                                         "training.loss=chunked", "training.loss_chunk_tokens=128"]),
     ("moe single s256 full-loss AC full", ["model=native_moe", "data.seq_len=256", "data.batch_size=2",
                                            "parallelism.activation_checkpoint=full"]),
-    ("dense single s1024 full-loss AC none", ["model=native", "data.seq_len=1024", "data.batch_size=1"]),
+    ("dense single s1024 full-loss AC none", ["model=native", "model.flavor=tiny", "data.seq_len=1024", "data.batch_size=1"]),
 ]
 # Pipelined (issue 42): the untied small flavor (pp refuses tied embeddings), 2 or 4 ranks, each stage measured in
 # its own rank's second step; the plan traces the first rank of every stage group
-PP_COMMON = [o for o in COMMON if not o.startswith("model.flavor")] + ["model.flavor=tiny_untied", "data.seq_len=32",
+PP_COMMON = COMMON + ["model.flavor=tiny_untied", "data.seq_len=32",
                                                                        "data.batch_size=4"]
 PP_CONFIGS = [
     ("pp2 1F1B", ["parallelism=pp2"]),  # 2 micro-batches of 2: stage 0 holds both at once

@@ -86,10 +86,12 @@ def test_in_tree_specs_declare_what_callers_asked_by_name():
     assert registry.balance_modes(ModelConfig(backend="native", flavor="tiny_moe"))[0] == "bias"
 
 
-def test_backend_modules_validate_without_torch():
-    """Describing a model (what validation needs) imports no torch: every in-tree spec module, and the toy's."""
+def test_backend_modules_validate_without_torch(tmp_path):
+    """Describing a model (what validation needs) imports no torch: every in-tree spec module, and the toy's. (hf: a
+    directory with its config.json, which validation reads; a missing one is refused at resolution.)"""
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 2}')
     code = ("import sys; from qwen3_research import models; from qwen3_research.config import ModelConfig; "
-            "[models.describe(ModelConfig(backend=b, path='/models/x')) for b in ('native', 'native_moe', 'hf')]; "
+            f"[models.describe(ModelConfig(backend=b, path={str(tmp_path)!r})) for b in ('native', 'native_moe', 'hf')]; "
             "models.describe(ModelConfig(backend='toy', module='tests.toy_backend', flavor='bigram')); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

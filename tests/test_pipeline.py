@@ -183,11 +183,15 @@ REFUSED = {  # overrides -> fragments of the one line
 
 @pytest.mark.feature("pipeline parallel (parallelism.pp)")
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_pipeline_refusals_are_one_line(case):
+def test_pipeline_refusals_are_one_line(case, tmp_path):
     from qwen3_research.config import ConfigError
     from qwen3_research.resolve import resolve_run
 
     overrides, fragments = REFUSED[case]
+    if case == "hf_backend":  # a directory as model=hf reads it at resolution (a missing one is refused first)
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 4,
+                                                          "num_key_value_heads": 2}))
+        overrides = [o.replace("/nonexistent", str(tmp_path)) for o in overrides]
     base = [o for o in BASE if not (case == "hf_backend" and o.startswith("model.flavor"))]
     with pytest.raises(ConfigError) as e:
         resolve_run(_compose(base + overrides))

@@ -186,14 +186,11 @@ def saved_tensor_shapes(path: Path) -> dict[str, tuple]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        check_metadata_pickle(path)
-    except UnreadableMetadata as e:  # damage, as a missing shard is (resume=auto falls back past it); tampering raises
-        return str(e).removeprefix(f"checkpoint {path}: ")
+    check_metadata_pickle(path)
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle/OS errors
-        raise UnreadableMetadata(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})") from None
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 

@@ -171,10 +171,10 @@ def fault_methods(step_class, spec: str) -> dict:
             del self.loss
 
     @functools.wraps(evaluate)
-    def evaluate_after_term(self):
+    def evaluate_after_term(self, *args, **kwargs):
         if not self.where.trace and _due(spec, ("term",), self.state.step, self.where.rank):
             os.kill(os.getppid() if self.where.world_size > 1 else os.getpid(), signal.SIGTERM)
-        return evaluate(self)
+        return evaluate(self, *args, **kwargs)
 
     return {"forward_backward": faulty_forward_backward, "evaluate": evaluate_after_term}
 
