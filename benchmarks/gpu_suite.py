@@ -55,7 +55,8 @@ def steps(n: int) -> list[tuple[str, str, list[str]]]:
 
 def tiny(overrides: list[str]) -> list[str]:
     """The dry run's form of a step: device=cpu, tiny flavors, 32-token sequences, 4 steps."""
-    swap = {"model.flavor": "model.flavor=tiny", "data.seq_len": "data.seq_len=32", "data.batch_size": "data.batch_size=2",
+    flavor = "tiny_moe" if "model=native_moe" in overrides else "tiny"  # the MoE preset refuses a dense flavor
+    swap = {"model.flavor": f"model.flavor={flavor}", "data.seq_len": "data.seq_len=32", "data.batch_size": "data.batch_size=2",
             "training.steps": "training.steps=4"}
     out = [swap.get(o.split("=", 1)[0], o) for o in overrides]
     return [o for o in out if not o.startswith("model.attention=flex")] + ["device=cpu"]
