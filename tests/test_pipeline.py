@@ -116,16 +116,22 @@ CI_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 @pytest.mark.slow
 def test_every_schedule_on_two_stages_equals_one_process(single, tmp_path):
     names = list(PP2) if os.environ.get("QWEN3_PP_ALL_SCHEDULES") == "1" else CI_SCHEDULES
-    cases = {name: ["parallelism.nproc_per_node=2", "parallelism.pp=2", f"parallelism.pp_schedule={name}"]
-             for name in names}
-    results = run_group(cases, tmp_path, world=2)
     print(f"\nsingle: loss {[round(x, 6) for x in single['loss']]} grad_norm {[round(x, 6) for x in single['grad_norm']]}")
+    _check_schedules(single, tmp_path, 2, {name: PP2[name] for name in names})
+
+
+def _check_schedules(single: dict, tmp_path: Path, pp: int, stages: dict) -> None:
+    """Each schedule of ``stages`` ({schedule: its stages per rank}) on ``pp`` gloo ranks (dp 1), in one group: the
+    split as given, and losses (the held-out one too) and grad norms within TOL of one process."""
+    cases = {name: [f"parallelism.nproc_per_node={pp}", f"parallelism.pp={pp}", f"parallelism.pp_schedule={name}"]
+             for name in stages}
+    results = run_group(cases, tmp_path, world=pp)
     for name, got in results.items():
         loss, norm = worst(single, got)
-        print(f"pp=2 {name:22s} stages {got['stages']}: largest loss difference {loss:.2e}, "
+        print(f"pp={pp} {name:22s} stages {got['stages']}: largest loss difference {loss:.2e}, "
               f"relative grad-norm difference {norm:.2e}")
     for name, got in results.items():
-        assert got["stages"] == PP2[name], name
+        assert got["stages"] == stages[name], name
         assert worst(single, got) <= (TOL, TOL), name
 
 
@@ -145,16 +151,7 @@ def test_every_schedule_on_four_stages_equals_one_process(single, tmp_path):
     """Issue 42 acceptance a, pp(4): each schedule torch offers, on 4 gloo ranks (dp 1: the one process's batch of
     4 sequences), 3 steps: losses, the held-out loss (not the V schedules: refused) and grad norms within 1e-5 of one
     process, and torchtitan's split as PP4 says."""
-    cases = {name: ["parallelism.nproc_per_node=4", "parallelism.pp=4", f"parallelism.pp_schedule={name}"]
-             for name in PP4}
-    results = run_group(cases, tmp_path, world=4)
-    for name, got in results.items():
-        loss, norm = worst(single, got)
-        print(f"pp=4 {name:22s} stages {got['stages']}: largest loss difference {loss:.2e}, "
-              f"relative grad-norm difference {norm:.2e}")
-    for name, got in results.items():
-        assert got["stages"] == PP4[name], name
-        assert worst(single, got) <= (TOL, TOL), name
+    _check_schedules(single, tmp_path, 4, PP4)
 
 
 # -- refusals: one line naming the key and the fix, before any worker ----------------------------------------------
